@@ -1,0 +1,30 @@
+"""gradwatch: a training-health monitor for PyTorch you can leave switched on.
+
+Catches NaN/Inf in losses and gradients, parameters without gradients or outside the optimizer,
+forgotten ``zero_grad``, exploding and vanishing gradients, and explains autograd errors, at the step
+they happen; protects the weights; reports to the console, TensorBoard and JSON lines.
+
+Example:
+    >>> import gradwatch
+    >>> # with gradwatch.watch(model, optimizer, log_dir="runs/exp1") as gw:
+    >>> #     ... your training loop ...
+"""
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, GradWatchError
+from gradwatch.report import GradWatchInternalWarning
+from gradwatch.summary import RunSummary
+from gradwatch.watch import Watcher, watch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "Finding",
+    "GradWatchError",
+    "GradWatchInternalWarning",
+    "RunSummary",
+    "Watcher",
+    "watch",
+    "__version__",
+]

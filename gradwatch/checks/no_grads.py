@@ -1,0 +1,39 @@
+"""``no_grads``: an optimizer step with no gradient at all."""
+
+from __future__ import annotations
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    if stats.names or not stats.none_grad:
+        return []
+    if stats.extra.get("grads_cleared_before_step"):
+        return []  # the zero_grad check explains this case precisely
+    key = f"no_grads/{stats.optimizer_index}"
+    if history.reported.get(key):
+        return []
+    return [
+        Finding(
+            kind="no_grads",
+            step=stats.step,
+            severity="error",
+            message=(
+                f"optimizer {stats.optimizer_index}.step() was called at step {stats.step} while none of its "
+                f"{len(stats.none_grad)} trainable parameters has a gradient, so nothing is updated.\n"
+                "Why it matters: training makes no progress at all.\n"
+                "Fix: call loss.backward() before optimizer.step(), make sure the loss depends on the "
+                "model's parameters (not computed under torch.no_grad() or from detached outputs), and call "
+                "optimizer.zero_grad() before backward, not between backward and step."
+            ),
+            params=stats.none_grad,
+            data={"optimizer": stats.optimizer_index, "count": len(stats.none_grad)},
+        )
+    ]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    history.reported[f"no_grads/{stats.optimizer_index}"] = not stats.names and bool(stats.none_grad)

@@ -1,0 +1,78 @@
+"""``nonfinite_loss`` and ``nonfinite_grad``: NaN or Inf about to reach the weights."""
+
+from __future__ import annotations
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, names_text
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+_ACTION = {
+    "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged.",
+    "warn": "on_nonfinite='warn': the update was applied, so the weights are now poisoned.",
+    "raise": "on_nonfinite='raise': training stops before the update.",
+}
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    out: list[Finding] = []
+    action = _ACTION[config.on_nonfinite]
+    if stats.loss_nonfinite:
+        out.append(
+            Finding(
+                kind="nonfinite_loss",
+                step=stats.step,
+                severity="error",
+                message=(
+                    f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes every "
+                    f"gradient of this step NaN/Inf and, once applied, poisons the weights and Adam's moments. "
+                    f"{action}\nFix: look for log/sqrt/division of zero or negative values in the loss, "
+                    "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
+                    "learning rate, or check the batch for NaN/Inf."
+                ),
+                data={"loss": stats.loss, "optimizer": stats.optimizer_index},
+            )
+        )
+    if stats.nonfinite:
+        rows = [
+            {
+                "param": n,
+                "nan": stats.nan_counts.get(n, 0),
+                "inf": stats.inf_counts.get(n, 0),
+            }
+            for n in stats.nonfinite
+        ]
+        modules = sorted({m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite and m is not None})
+        nan_total = sum(stats.nan_counts.values())
+        inf_total = sum(stats.inf_counts.values())
+        first_module = next((m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite), None)
+        out.append(
+            Finding(
+                kind="nonfinite_grad",
+                step=stats.step,
+                severity="error",
+                message=(
+                    f"{len(stats.nonfinite)} of {len(stats.names)} gradients hold non-finite values at step "
+                    f"{stats.step} ({nan_total} NaN, {inf_total} Inf): {names_text(stats.nonfinite)}. "
+                    f"{action}\nWhy it matters: one NaN gradient poisons the weights and the optimizer's "
+                    "moments for good, and clip_grad_norm_ spreads it to every parameter.\n"
+                    "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
+                    "causes are log/sqrt/pow at 0 or below, division by a zero norm, exp overflow, or too "
+                    "high a learning rate."
+                ),
+                params=stats.nonfinite,
+                module=first_module if first_module else None,
+                data={
+                    "nan_counts": dict(stats.nan_counts),
+                    "inf_counts": dict(stats.inf_counts),
+                    "modules": modules,
+                    "optimizer": stats.optimizer_index,
+                    "table": rows,
+                },
+            )
+        )
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "non-finite" if v is None else str(v)

@@ -1,0 +1,65 @@
+"""``not_in_optimizer``: trainable model parameters no watched optimizer updates.
+
+Also reports parameters an optimizer holds that the model does not own (``foreign_params``).
+Checked at the first step and whenever the model's or optimizer's set of parameters changes.
+"""
+
+from __future__ import annotations
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, names_text
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    if not (stats.first_check or stats.params_changed):
+        return []
+    out: list[Finding] = []
+    if stats.not_in_optimizer and history.reported.get("not_in_optimizer") != stats.not_in_optimizer:
+        modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in stats.not_in_optimizer})
+        out.append(
+            Finding(
+                kind="not_in_optimizer",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"{len(stats.not_in_optimizer)} trainable parameter(s) of the model are in no watched "
+                    f"optimizer: {names_text(stats.not_in_optimizer)}.\n"
+                    "Why it matters: they get gradients but are never updated, so those layers stay at "
+                    "their initial values (a classic after swapping a head or building layers lazily "
+                    "after the optimizer).\n"
+                    "Fix: create the optimizer after the model is complete (after the first forward for "
+                    "lazy layers), or add them with optimizer.add_param_group({'params': [...]}); if they "
+                    "should not train, call requires_grad_(False) on them; if another optimizer updates "
+                    "them, watch it too: gradwatch.watch(model, [opt_a, opt_b])."
+                ),
+                params=stats.not_in_optimizer,
+                module=modules[0] if len(modules) == 1 else None,
+                data={"modules": modules, "count": len(stats.not_in_optimizer)},
+            )
+        )
+    if stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
+        out.append(
+            Finding(
+                kind="foreign_params",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"Optimizer {stats.optimizer_index} holds {len(stats.foreign)} parameter(s) that the "
+                    f"watched model does not own: {names_text(stats.foreign)}.\n"
+                    "Why it matters: usually the optimizer was built for another model (or a copy of this "
+                    "one, e.g. before deepcopy or .to() with new parameters), so this model never trains.\n"
+                    "Fix: build the optimizer from this model's parameters: optim.AdamW(model.parameters())."
+                ),
+                params=stats.foreign,
+                data={"count": len(stats.foreign), "optimizer": stats.optimizer_index},
+            )
+        )
+    return out
+
+
+def remember(stats: StepStats, history: History) -> None:
+    if stats.first_check or stats.params_changed:
+        history.reported["not_in_optimizer"] = stats.not_in_optimizer
+        history.reported[f"foreign/{stats.optimizer_index}"] = stats.foreign

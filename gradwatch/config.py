@@ -1,0 +1,146 @@
+"""Configuration: every keyword gradwatch accepts, validated once, eagerly.
+
+Both ways in (``gradwatch.watch`` and ``GradWatchCallback``) take exactly these keywords. A bad value
+raises ``ValueError`` (or ``TypeError``) naming the keyword, echoing the value and listing what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+OnNonfinite = Literal["warn", "skip", "raise"]
+ON_NONFINITE: tuple[str, ...] = get_args(OnNonfinite)
+
+
+@dataclass(frozen=True)
+class Config:
+    """gradwatch settings. All have defaults; pass only what you change.
+
+    Attributes:
+        on_nonfinite: What to do when a loss or gradient is NaN/Inf before the update: ``"skip"`` (default)
+            leaves parameters and optimizer state exactly as they were; ``"warn"`` reports and lets the
+            update happen; ``"raise"`` raises :class:`gradwatch.GradWatchError`.
+        log_dir: Directory for TensorBoard event files and ``gradwatch.jsonl``; ``None`` writes neither.
+        console: Print findings (and a summary at close) with rich: ``True`` uses rich's global console
+            (which prints above rich and Lightning progress bars), or pass a ``rich.console.Console``.
+        every: Check every N-th optimizer step (1 = every step). Unchecked steps cost nothing and are not
+            protected.
+        per_layer: Compute and log per-module gradient norms.
+        max_skips: After this many consecutive skipped steps, raise instead of skipping forever
+            (``None``: never).
+        escalate: On a non-finite incident, localize its origin (op and module) and watch the next
+            ``escalate_steps`` steps closely with anomaly mode.
+        escalate_steps: Length of the escalation window in optimizer steps.
+        save_batch: Save the inputs of an escalated incident to ``log_dir/incidents/step_<N>.pt``.
+        deferred: Make no device-to-host sync in the step: each step's statistics are read one step
+            later. ``"skip"``/``"raise"`` and same-step localization are then unavailable.
+        histogram_every: Write gradient histograms every N checked steps (``0``: never; costly).
+        tb_flush_every: Flush TensorBoard scalars to disk every N checked steps.
+        exploding_norm: Absolute bound on the total or a layer's gradient norm (``None``: no bound).
+        spike_factor: A norm this many robust spreads above its recent median is a spike.
+        window: Number of recent checked steps that the adaptive checks look back over.
+        vanishing_ratio: A layer whose gradient norm stays below this fraction of its parameters' norm
+            (and far below the other layers) over ``window`` steps is vanishing.
+        dead_steps: A layer whose gradient is exactly zero this many checked steps in a row is dead.
+        rate_limit: Print at most this many findings of one kind to the console (all are recorded).
+    """
+
+    on_nonfinite: OnNonfinite = "skip"
+    log_dir: str | None = None
+    console: Any = True
+    every: int = 1
+    per_layer: bool = True
+    max_skips: int | None = 10
+    escalate: bool = True
+    escalate_steps: int = 3
+    save_batch: bool = False
+    deferred: bool = False
+    histogram_every: int = 0
+    tb_flush_every: int = 50
+    exploding_norm: float | None = None
+    spike_factor: float = 10.0
+    window: int = 50
+    vanishing_ratio: float = 1e-7
+    dead_steps: int = 20
+    rate_limit: int = 3
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def keywords() -> tuple[str, ...]:
+    """Every configuration keyword, in declaration order."""
+    return tuple(f.name for f in fields(Config))
+
+
+def make_config(**kwargs: Any) -> Config:
+    """Build a :class:`Config`, rejecting unknown keywords with the list of known ones."""
+    known = keywords()
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise TypeError(
+            f"unknown gradwatch option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"known options: {', '.join(known)}"
+        )
+    if "log_dir" in kwargs and isinstance(kwargs["log_dir"], os.PathLike):
+        kwargs["log_dir"] = os.fspath(kwargs["log_dir"])
+    return Config(**kwargs)
+
+
+def _validate(c: Config) -> None:
+    if c.on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite={c.on_nonfinite!r} is not one of {', '.join(map(repr, ON_NONFINITE))}")
+    if c.log_dir is not None and not isinstance(c.log_dir, str):
+        raise TypeError(f"log_dir={c.log_dir!r} must be a path (str or os.PathLike) or None")
+    if not isinstance(c.console, bool):
+        try:
+            from rich.console import Console as _Console
+        except ImportError:  # pragma: no cover - rich is a dependency
+            _Console = ()  # type: ignore[assignment,misc]
+        if not isinstance(c.console, _Console):
+            raise TypeError(f"console={c.console!r} must be True, False or a rich.console.Console")
+    for name in ("per_layer", "escalate", "save_batch", "deferred"):
+        _check_bool(name, getattr(c, name))
+    _check_int("every", c.every, minimum=1)
+    _check_int("escalate_steps", c.escalate_steps, minimum=1)
+    _check_int("histogram_every", c.histogram_every, minimum=0)
+    _check_int("tb_flush_every", c.tb_flush_every, minimum=1)
+    _check_int("window", c.window, minimum=4)
+    _check_int("dead_steps", c.dead_steps, minimum=1)
+    _check_int("rate_limit", c.rate_limit, minimum=0)
+    if c.max_skips is not None:
+        _check_int("max_skips", c.max_skips, minimum=0)
+    if c.exploding_norm is not None:
+        _check_positive("exploding_norm", c.exploding_norm)
+    _check_positive("spike_factor", c.spike_factor)
+    _check_positive("vanishing_ratio", c.vanishing_ratio)
+    if c.deferred and c.on_nonfinite != "warn":
+        raise ValueError(
+            f"deferred=True reads each step's statistics one step late, so on_nonfinite={c.on_nonfinite!r} "
+            "cannot act on the step; use on_nonfinite='warn' with deferred=True"
+        )
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")

@@ -1,0 +1,584 @@
+"""The shared engine: observe -> check -> act -> report, once per optimizer step.
+
+Both ways in (``gradwatch.watch`` for plain loops, ``GradWatchCallback`` for Lightning) are thin shells
+that call :meth:`Engine.check_step` right before an optimizer update and :meth:`Engine.step_done` after it.
+
+Extensions (zero-grad tracking, escalation, AMP, distributed agreement) plug into the engine through a
+small protocol of optional methods, see :class:`Extension`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from gradwatch import checks as _checks
+from gradwatch.config import Config
+from gradwatch.findings import Finding, GradWatchError
+from gradwatch.history import History
+from gradwatch.params import ParamIndex
+from gradwatch.report import Reporters, internal_warning
+from gradwatch.report.console import ConsoleReporter
+from gradwatch.report.jsonl import JsonlReporter
+from gradwatch.report.tensorboard import TensorBoardReporter
+from gradwatch.stats import (
+    StepStats,
+    SyncBatch,
+    count_nonfinite,
+    layer_norms,
+    queue_grad_norms,
+    read_grad_norms,
+    total_norm,
+)
+from gradwatch.summary import RunSummary
+
+Decision = Literal["ok", "skip"]
+
+#: Kinds that the ``on_nonfinite`` policy acts on.
+NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss")
+
+
+@dataclass
+class StepContext:
+    """What extensions see of a step while it is being checked."""
+
+    stats: StepStats
+    batch: SyncBatch
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    engine: Engine
+    slots: dict[str, int] = field(default_factory=dict)
+
+
+class Extension(Protocol):
+    """Optional methods an extension may define; the engine calls those that exist.
+
+    - ``attach(engine)``: once, when added.
+    - ``before_sync(ctx)``: queue device values into ``ctx.batch`` (no sync allowed).
+    - ``after_sync(ctx)``: read them back (``ctx.batch.resolve()``) and fill ``ctx.stats.extra``.
+    - ``on_incident(stats, findings) -> list[Finding]``: the step is non-finite; localize it before the
+      update (may replay the step) and return extra findings.
+    - ``after_step(stats, decision)``: the decision is taken.
+    - ``close()``: detach everything.
+    """
+
+
+class Engine:
+    """One run's gradwatch state: parameter index, history, findings, counters, reporters.
+
+    Args:
+        model: The model whose parameters are watched (may be None for optimizer-only use).
+        optimizers: The watched optimizers.
+        config: Validated configuration.
+        tb_writer: An existing SummaryWriter to write into (Lightning's logger); else ``config.log_dir``.
+        rank_zero: Whether this process reports (console/TensorBoard/JSON lines).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizers: list[torch.optim.Optimizer],
+        config: Config,
+        *,
+        tb_writer: Any = None,
+        rank_zero: bool = True,
+        tb_log_dir: str | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizers = list(optimizers)
+        self.rank_zero = rank_zero
+        self.index = ParamIndex(model, self.optimizers)
+        self.history = History(window=config.window)
+        self.findings: list[Finding] = []
+        self.kind_counts: Counter[str] = Counter()
+        self.steps_checked = 0
+        self.steps_skipped = 0
+        self.consecutive_skips = 0
+        self.step_counts = [0] * max(1, len(self.optimizers))
+        self.extensions: list[Any] = []
+        self._losses: list[torch.Tensor] = []
+        self._first_check = [True] * max(1, len(self.optimizers))
+        self._group_signature = [self._signature(o) for o in self.optimizers]
+        self._params_dirty = False
+        self._suppressed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._suppressed_state: list[tuple[torch.optim.Optimizer, dict[Any, Any]]] = []
+        self._pending: tuple[StepStats, SyncBatch, Any] | None = None
+        self._norm_samples: list[float] = []
+        self._norm_stride = 1
+        self._norm_seen = 0
+        self._check_modules = _checks.discover()
+        self._closed = False
+        self.started = time.time()
+        self.log_dir: str | None = None
+        self.reporters = Reporters([])
+        self._build_reporters(tb_writer, tb_log_dir)
+        self._hooks: list[Any] = []
+        if model is not None:
+            reg = torch.nn.modules.module
+            self._hooks.append(reg.register_module_parameter_registration_hook(self._on_param_registered))
+            self._hooks.append(reg.register_module_module_registration_hook(self._on_module_registered))
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _build_reporters(self, tb_writer: Any, tb_log_dir: str | None) -> None:
+        c = self.config
+        if c.console is not False:
+            console = None if c.console is True else c.console
+            self.reporters.add(ConsoleReporter(console, rate_limit=c.rate_limit, rank_zero=self.rank_zero))
+        if not self.rank_zero:
+            return
+        if tb_writer is not None:
+            try:
+                self.reporters.add(TensorBoardReporter(writer=tb_writer, flush_every=c.tb_flush_every))
+                self.log_dir = tb_log_dir or self.reporters.items[-1].log_dir
+            except Exception as exc:  # noqa: BLE001
+                self._warn_unwritable(str(tb_writer), exc)
+        elif c.log_dir is not None:
+            try:
+                self.reporters.add(TensorBoardReporter(log_dir=c.log_dir, flush_every=c.tb_flush_every))
+                self.log_dir = c.log_dir
+            except Exception as exc:  # noqa: BLE001
+                self._warn_unwritable(c.log_dir, exc)
+        jsonl_dir = self.log_dir if tb_writer is not None else c.log_dir
+        if jsonl_dir is not None:
+            try:
+                self.reporters.add(JsonlReporter(jsonl_dir))
+                self.log_dir = jsonl_dir
+            except Exception as exc:  # noqa: BLE001
+                self._warn_unwritable(jsonl_dir, exc)
+
+    def _warn_unwritable(self, where: str, exc: BaseException) -> None:
+        import warnings
+
+        from gradwatch.report import GradWatchInternalWarning
+
+        warnings.warn(
+            f"gradwatch: cannot write logs to {where!r} ({type(exc).__name__}: {exc}); training continues "
+            "with console reporting only. Pass a writable log_dir to get TensorBoard and gradwatch.jsonl.",
+            GradWatchInternalWarning,
+            stacklevel=4,
+        )
+
+    def add_extension(self, ext: Any) -> Any:
+        self.extensions.append(ext)
+        attach = getattr(ext, "attach", None)
+        if attach is not None:
+            attach(self)
+        return ext
+
+    def extension(self, cls: type) -> Any:
+        return next((e for e in self.extensions if isinstance(e, cls)), None)
+
+    # -- parameter-set changes ---------------------------------------------------------------------
+    def _on_param_registered(self, module: nn.Module, name: str, param: Any) -> None:
+        if id(module) in self.index.module_name:
+            self._params_dirty = True
+
+    def _on_module_registered(self, module: nn.Module, name: str, submodule: Any) -> None:
+        if id(module) in self.index.module_name:
+            self._params_dirty = True
+
+    @staticmethod
+    def _signature(opt: torch.optim.Optimizer) -> tuple[int, ...]:
+        return tuple(len(g["params"]) for g in opt.param_groups)
+
+    def _refresh_index(self) -> bool:
+        changed = self._params_dirty
+        for i, o in enumerate(self.optimizers):
+            sig = self._signature(o)
+            if sig != self._group_signature[i]:
+                self._group_signature[i] = sig
+                changed = True
+        if changed:
+            self._params_dirty = False
+            self.index.rebuild()
+        return changed
+
+    # -- the step ----------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Remember a loss of the current step (no sync: read with the step's statistics)."""
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+        else:
+            self._losses.append(torch.tensor(float(loss)))
+
+    def should_check(self, opt_index: int, step: int | None = None) -> bool:
+        s = self.step_counts[opt_index] if step is None else step
+        return not self._closed and s % self.config.every == 0
+
+    def check_step(self, opt_index: int = 0, step: int | None = None) -> Decision:
+        """Run the pipeline for optimizer ``opt_index`` before its update.
+
+        Returns ``"skip"`` when the update must not be applied (the caller suppresses it, e.g. with
+        :meth:`suppress_update`). Raises :class:`GradWatchError` under ``on_nonfinite="raise"`` or after
+        ``max_skips`` consecutive skips. Any other failure inside gradwatch is reported once and the step
+        proceeds as if gradwatch were not there.
+        """
+        if self._closed:
+            return "ok"
+        s = self.step_counts[opt_index] if step is None else step
+        if s % self.config.every != 0:
+            self._losses.clear()
+            return "ok"
+        try:
+            stats, findings = self._observe_and_check(opt_index, s)
+        except GradWatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never make training worse
+            internal_warning("check_step", exc)
+            self._losses.clear()
+            return "ok"
+        if stats is None:
+            return "ok"
+        return self._act(stats, findings)
+
+    def _observe_and_check(self, opt_index: int, step: int) -> tuple[StepStats | None, list[Finding]]:
+        changed = self._refresh_index()
+        op = self.index.per_optimizer[opt_index]
+        grads: list[torch.Tensor] = []
+        gparams: list[torch.Tensor] = []
+        gnames: list[str] = []
+        gmods: list[str | None] = []
+        none: list[str] = []
+        for p, n, m in zip(op.params, op.names, op.modules):
+            g = p.grad
+            if g is None:
+                if p.requires_grad:
+                    none.append(n)
+            else:
+                grads.append(g)
+                gparams.append(p)
+                gnames.append(n)
+                gmods.append(m)
+        stats = StepStats(
+            step=step,
+            optimizer_index=opt_index,
+            names=gnames,
+            modules=gmods,
+            none_grad=tuple(none),
+            not_in_optimizer=self.index.not_in_optimizer,
+            params_changed=changed,
+            foreign=tuple(op.foreign),
+            first_check=self._first_check[opt_index],
+        )
+        self._first_check[opt_index] = False
+        batch = SyncBatch()
+        norm_slots = queue_grad_norms(batch, grads)
+        loss_slot = -1
+        if self._losses:
+            device = grads[0].device if grads else self._losses[0].device
+            losses = [l.float().mean().to(device) for l in self._losses]
+            loss_slot = batch.add(torch.stack(losses))
+            self._losses = []
+        ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self)
+        ctx.slots["loss"] = loss_slot
+        self._call("before_sync", ctx)
+        if self.config.deferred:
+            previous = self._pending
+            batch.stage()
+            self._pending = (stats, batch, (norm_slots, loss_slot, ctx))
+            if previous is None:
+                return None, []
+            stats, batch, (norm_slots, loss_slot, ctx) = previous
+            grads = []  # the previous step's gradients are gone; no element-wise counts
+        self._fill(stats, batch, norm_slots, loss_slot, grads)
+        self._call("after_sync", ctx)
+        findings = self._run_checks(stats)
+        if stats.is_nonfinite or stats.extra.get("any_rank_nonfinite"):
+            findings.extend(self._incident(stats, findings))
+        return stats, findings
+
+    def _fill(
+        self,
+        stats: StepStats,
+        batch: SyncBatch,
+        norm_slots: list[tuple[int, list[int]]],
+        loss_slot: int,
+        grads: list[torch.Tensor],
+    ) -> None:
+        values = batch.resolve()  # the step's one device-to-host sync
+        norms = read_grad_norms(values, norm_slots, len(stats.names))
+        stats.norms = norms
+        stats.total_norm = total_norm(norms)
+        if self.config.per_layer:
+            stats.layer_norms = layer_norms(stats.modules, norms)
+        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        if suspects:
+            if grads:
+                nan, inf = count_nonfinite(stats.names, grads, suspects)
+                stats.nan_counts, stats.inf_counts = nan, inf
+                bad = set(nan) | set(inf)
+                stats.nonfinite = tuple(stats.names[i] for i in suspects if stats.names[i] in bad)
+                stats.overflow_norm = tuple(stats.names[i] for i in suspects if stats.names[i] not in bad)
+            else:
+                stats.nonfinite = tuple(stats.names[i] for i in suspects)
+        if loss_slot >= 0:
+            lv = values[loss_slot]
+            finite = [v for v in lv if math.isfinite(v)]
+            stats.loss_nonfinite = len(finite) != len(lv)
+            stats.loss = (sum(lv) / len(lv)) if lv else None
+
+    def _run_checks(self, stats: StepStats) -> list[Finding]:
+        findings: list[Finding] = []
+        for name, fn, _remember in self._check_modules:
+            try:
+                findings.extend(fn(stats, self.history, self.config))
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"check {name}", exc)
+        for name, _fn, remember in self._check_modules:
+            if remember is not None:
+                try:
+                    remember(stats, self.history)
+                except Exception as exc:  # noqa: BLE001
+                    internal_warning(f"check {name}.remember", exc)
+        return findings
+
+    def _incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
+        extra: list[Finding] = []
+        for ext in self.extensions:
+            fn = getattr(ext, "on_incident", None)
+            if fn is None:
+                continue
+            try:
+                extra.extend(fn(stats, findings + extra) or [])
+            except GradWatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"{type(ext).__name__}.on_incident", exc)
+        return extra
+
+    def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
+        c = self.config
+        blocked = stats.is_nonfinite or bool(stats.extra.get("any_rank_nonfinite"))
+        decision: Decision = "ok"
+        error: GradWatchError | None = None
+        if blocked and c.on_nonfinite == "raise":
+            error = GradWatchError(_error_text(stats, findings, "on_nonfinite='raise'"), findings)
+        elif blocked and c.on_nonfinite == "skip":
+            self.consecutive_skips += 1
+            if c.max_skips is not None and self.consecutive_skips > c.max_skips:
+                f = Finding(
+                    kind="too_many_skips",
+                    step=stats.step,
+                    severity="error",
+                    message=(
+                        f"{self.consecutive_skips} optimizer steps in a row were non-finite "
+                        f"(max_skips={c.max_skips}); skipping further would only stall the run.\n"
+                        "Fix: the cause is persistent, not a rare bad batch: see the first nonfinite finding "
+                        "of this run for the op and module, lower the learning rate, or check the data. "
+                        "Raise max_skips (or set it to None) to keep skipping."
+                    ),
+                    data={"consecutive_skips": self.consecutive_skips},
+                )
+                findings.append(f)
+                error = GradWatchError(_error_text(stats, findings, f"max_skips={c.max_skips}"), findings)
+            else:
+                decision = "skip"
+                self.steps_skipped += 1
+        else:
+            self.consecutive_skips = 0
+        self.steps_checked += 1
+        self._record(stats, findings, skipped=decision == "skip")
+        self._call("after_step", stats, decision)
+        if error is not None:
+            raise error
+        return decision
+
+    def _record(self, stats: StepStats, findings: list[Finding], *, skipped: bool) -> None:
+        try:
+            self.history.record(stats, skipped=skipped)
+            if stats.names and math.isfinite(stats.total_norm) and not skipped:
+                self._sample_norm(stats.total_norm)
+            for f in findings:
+                self.add_finding(f)
+            self.reporters.call("scalars", stats.step, self._scalars(stats))
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("report", exc)
+
+    def add_finding(self, f: Finding) -> None:
+        """Record and report a finding (also used by extensions and the integrations)."""
+        self.findings.append(f)
+        self.kind_counts[f.kind] += 1
+        self.reporters.call("finding", f)
+
+    def _scalars(self, stats: StepStats) -> dict[str, float]:
+        multi = len(self.optimizers) > 1
+        suffix = f"_opt{stats.optimizer_index}" if multi else ""
+        out: dict[str, float] = {}
+        if stats.names:
+            out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
+        for layer, v in stats.layer_norms.items():
+            out[f"gradwatch/grad_norm/{layer}"] = v
+        if stats.loss is not None:
+            out["gradwatch/loss"] = stats.loss
+        out["gradwatch/skipped_steps"] = float(self.steps_skipped)
+        out["gradwatch/nonfinite_grads"] = float(len(stats.nonfinite))
+        for kind, n in self.kind_counts.items():
+            out[f"gradwatch/findings/{kind}"] = float(n)
+        more = stats.extra.get("scalars")
+        if isinstance(more, dict):
+            out.update(more)
+        return out
+
+    def _sample_norm(self, v: float) -> None:
+        # Bounded sample for the summary's median: keep every k-th value, doubling k when full.
+        self._norm_seen += 1
+        if (self._norm_seen - 1) % self._norm_stride == 0:
+            self._norm_samples.append(v)
+            if len(self._norm_samples) >= 4096:
+                self._norm_samples = self._norm_samples[::2]
+                self._norm_stride *= 2
+
+    def step_done(self, opt_index: int = 0) -> None:
+        """Count one optimizer step (applied, skipped, or skipped by an AMP scaler)."""
+        self.step_counts[opt_index] += 1
+
+    # -- skipping an update ------------------------------------------------------------------------
+    def suppress_update(self, opt_index: int, state_snapshot: dict[Any, Any] | None = None) -> None:
+        """Make the next ``optimizer.step()`` a no-op: every parameter's ``.grad`` is set to None.
+
+        ``grad.zero_()`` would not do: momentum and weight decay still move the weights. Optimizer state
+        entries are snapshotted (shallow) so closure optimizers such as LBFGS leave no trace either.
+        :meth:`restore_grads` puts the gradients back after the step.
+        """
+        op = self.index.per_optimizer[opt_index]
+        for p in op.params:
+            self._suppressed.append((p, p.grad))
+            p.grad = None
+        opt = op.optimizer
+        if opt is None:
+            return
+        snap = state_snapshot if state_snapshot is not None else self.snapshot_state(opt_index)
+        self._suppressed_state.append((opt, {"known": snap, "params": list(op.params)}))
+
+    def snapshot_state(self, opt_index: int) -> dict[Any, Any]:
+        """Shallow copy of the optimizer state entries of ``opt_index`` (for an exact skip)."""
+        op = self.index.per_optimizer[opt_index]
+        if op.optimizer is None:
+            return {}
+        state = op.optimizer.state
+        return {p: dict(state[p]) for p in op.params if p in state}
+
+    def restore_grads(self) -> None:
+        """Undo :meth:`suppress_update` after the (no-op) step."""
+        for p, g in self._suppressed:
+            p.grad = g
+        self._suppressed = []
+        for opt, snap in self._suppressed_state:
+            known = snap["known"]
+            for p in snap["params"]:
+                if p in known:
+                    opt.state[p] = known[p]
+                elif p in opt.state:
+                    del opt.state[p]
+        self._suppressed_state = []
+
+    # -- exceptions --------------------------------------------------------------------------------
+    def explain_exception(self, exc: BaseException, step: int | None = None) -> Finding | None:
+        """Diagnose an exception raised by the training code (autograd errors); never raises."""
+        if isinstance(exc, GradWatchError):
+            return None
+        try:
+            from gradwatch import autograd_errors
+
+            s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
+            finding = autograd_errors.explain(exc, engine=self, step=s)
+        except Exception as e:  # noqa: BLE001
+            internal_warning("explain_exception", e)
+            return None
+        if finding is not None:
+            self.add_finding(finding)
+        return finding
+
+    # -- end ---------------------------------------------------------------------------------------
+    def summary(self) -> RunSummary:
+        samples = sorted(self._norm_samples)
+        return RunSummary(
+            steps=sum(self.step_counts),
+            steps_checked=self.steps_checked,
+            steps_skipped=self.steps_skipped,
+            kind_counts=dict(self.kind_counts),
+            first_step={k: min(f.step for f in self.findings if f.kind == k) for k in self.kind_counts},
+            norm_min=samples[0] if samples else None,
+            norm_median=samples[len(samples) // 2] if samples else None,
+            norm_max=samples[-1] if samples else None,
+            log_dir=self.log_dir,
+        )
+
+    def close(self) -> None:
+        """Flush pending statistics, remove hooks, print the summary, close writers. Idempotent."""
+        if self._closed:
+            return
+        if self._pending is not None:
+            try:
+                stats, batch, (norm_slots, loss_slot, ctx) = self._pending
+                self._pending = None
+                self._fill(stats, batch, norm_slots, loss_slot, [])
+                self._call("after_sync", ctx)
+                self._record(stats, self._run_checks(stats), skipped=False)
+            except Exception as exc:  # noqa: BLE001
+                internal_warning("close (deferred step)", exc)
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._call("close")
+        summary = None
+        try:
+            summary = self.summary()
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("summary", exc)
+        self.reporters.call("close", summary)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _call(self, method: str, *args: Any) -> None:
+        for ext in self.extensions:
+            fn = getattr(ext, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except GradWatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"{type(ext).__name__}.{method}", exc)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps_checked": self.steps_checked,
+            "steps_skipped": self.steps_skipped,
+            "consecutive_skips": self.consecutive_skips,
+            "step_counts": list(self.step_counts),
+            "kind_counts": dict(self.kind_counts),
+            "findings": [f.to_dict() for f in self.findings[-1000:]],
+            "history": self.history.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_checked = int(state.get("steps_checked", 0))
+        self.steps_skipped = int(state.get("steps_skipped", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        counts = list(state.get("step_counts", []))
+        for i in range(min(len(counts), len(self.step_counts))):
+            self.step_counts[i] = int(counts[i])
+        self.kind_counts = Counter({str(k): int(v) for k, v in state.get("kind_counts", {}).items()})
+        self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
+        self.history.load_state_dict(state.get("history", {}))
+
+
+def _error_text(stats: StepStats, findings: list[Finding], why: str) -> str:
+    lines = [f"gradwatch stopped training at step {stats.step} ({why}):"]
+    for f in findings:
+        if f.severity == "error":
+            lines.append(f"  {f.title}")
+            lines.extend("    " + line for line in f.message.splitlines())
+    return "\n".join(lines)

@@ -1,0 +1,13 @@
+"""Which extensions each way in attaches to the engine (one place, so both integrations agree)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+Integration = Literal["plain", "lightning"]
+
+
+def default_extensions(engine: Any, *, scaler: Any = None, integration: Integration = "plain") -> list[Any]:
+    """The extensions for a new engine, in the order they run."""
+    exts: list[Any] = []
+    return exts

@@ -1,0 +1,187 @@
+"""Findings: what gradwatch reports, as data that renders itself.
+
+A :class:`Finding` names what went wrong (``kind``), when (``step``), where (``params``, ``module``,
+``op``), why it matters and how to fix it (``message``), plus machine-readable details (``data``).
+Reporters (console, TensorBoard, JSON lines) only format findings; they never decide anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "error"]
+SEVERITIES: tuple[Severity, ...] = ("info", "warning", "error")
+
+_SEVERITY_STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
+
+#: How many parameter names a rendered finding lists before it says "and N more".
+MAX_NAMES_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing gradwatch noticed about the run.
+
+    Attributes:
+        kind: Stable identifier, e.g. ``"nonfinite_grad"``, ``"none_grad"``.
+        step: Index of the optimizer step the finding concerns (optimizer steps completed before it;
+            in Lightning ``trainer.global_step``).
+        severity: ``"info"``, ``"warning"`` or ``"error"``.
+        message: What happened, why it matters and what to change, in plain words.
+        params: Qualified names of the parameters concerned.
+        module: Qualified name of the module concerned, if one can be named.
+        op: Autograd or forward op concerned (e.g. ``"SqrtBackward0"``), if one can be named.
+        data: Machine-readable details (counts, norms, rank, ...). JSON-serialisable.
+
+    Example:
+        >>> f = Finding(kind="none_grad", step=3, severity="warning", message="...", params=("head.bias",))
+        >>> f.where
+        'head.bias'
+    """
+
+    kind: str
+    step: int
+    severity: Severity
+    message: str
+    params: tuple[str, ...] = ()
+    module: str | None = None
+    op: str | None = None
+    data: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def where(self) -> str:
+        """A short human description of where the problem is."""
+        parts: list[str] = []
+        if self.op:
+            parts.append(f"op {self.op}")
+        if self.module:
+            parts.append(f"module {self.module}")
+        if self.params and not self.module:
+            parts.append(_names(self.params))
+        return ", ".join(parts)
+
+    @property
+    def title(self) -> str:
+        """One line: kind, step and place."""
+        where = self.where
+        return f"[{self.kind}] step {self.step}" + (f" — {where}" if where else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dictionary (non-finite floats become strings)."""
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "severity": self.severity,
+            "message": self.message,
+            "params": list(self.params),
+            "module": self.module,
+            "op": self.op,
+            "data": _jsonable(self.data),
+        }
+
+    def to_json(self) -> str:
+        """One line of JSON."""
+        return json.dumps(self.to_dict(), allow_nan=False, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            kind=str(d["kind"]),
+            step=int(d["step"]),
+            severity=d.get("severity", "warning"),
+            message=str(d.get("message", "")),
+            params=tuple(d.get("params") or ()),
+            module=d.get("module"),
+            op=d.get("op"),
+            data=dict(d.get("data") or {}),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.title}\n{self.message}"
+
+    def __rich__(self) -> Any:
+        from rich.panel import Panel
+        from rich.text import Text
+
+        body = Text(self.message)
+        table = self.data.get("table")
+        renderables: list[Any] = [body]
+        if isinstance(table, list) and table:
+            renderables.append(_table(table))
+        if len(renderables) == 1:
+            content: Any = body
+        else:
+            from rich.console import Group
+
+            content = Group(*renderables)
+        style = _SEVERITY_STYLE.get(self.severity, "white")
+        return Panel(
+            content,
+            title=Text(f"gradwatch {self.severity}: {self.kind} at step {self.step}", style=style),
+            title_align="left",
+            border_style=style,
+            expand=False,
+        )
+
+
+class GradWatchError(RuntimeError):
+    """Raised by gradwatch's ``"raise"`` policy; carries the findings that caused it.
+
+    Attributes:
+        findings: The findings of the step that raised.
+    """
+
+    def __init__(self, message: str, findings: list[Finding] | tuple[Finding, ...] = ()) -> None:
+        super().__init__(message)
+        self.findings: tuple[Finding, ...] = tuple(findings)
+
+
+def _names(names: tuple[str, ...] | list[str], limit: int = MAX_NAMES_SHOWN) -> str:
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def names_text(names: tuple[str, ...] | list[str], limit: int = MAX_NAMES_SHOWN) -> str:
+    """Comma-separated names, cut after ``limit`` with "and N more"."""
+    return _names(names, limit)
+
+
+def _table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    columns = list(rows[0].keys())
+    t = Table(box=None, pad_edge=False, show_edge=False)
+    for c in columns:
+        t.add_column(c, justify="left" if c in ("param", "module", "layer", "name") else "right")
+    for r in rows[:20]:
+        t.add_row(*[_fmt(r.get(c)) for c in columns])
+    if len(rows) > 20:
+        t.add_row(f"... {len(rows) - 20} more", *[""] * (len(columns) - 1))
+    return t
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.3g}"
+    return "" if v is None else str(v)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return v
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    return str(v)

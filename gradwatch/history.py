@@ -1,0 +1,72 @@
+"""History: what the checks may look back on. Updated by the engine after each checked step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradwatch.stats import StepStats
+
+
+@dataclass
+class History:
+    """Recent statistics per optimizer, kept small (O(window x layers)).
+
+    Attributes:
+        window: How many checked steps the rolling windows keep.
+        last: The previous checked step's statistics, per optimizer index.
+        total_norms: Recent finite total gradient norms, per optimizer index.
+        layer_norms: Recent finite per-layer gradient norms, per optimizer index and layer.
+        losses: Recent finite observed losses.
+        reported: Keys of conditions already reported (so a persisting condition is reported once).
+        memory: Free-form state for checks that need more than the above, keyed by check name.
+    """
+
+    window: int = 50
+    last: dict[int, StepStats] = field(default_factory=dict)
+    total_norms: dict[int, deque[float]] = field(default_factory=dict)
+    layer_norms: dict[int, dict[str, deque[float]]] = field(default_factory=dict)
+    losses: deque[float] = field(default_factory=deque)
+    reported: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    def previous(self, optimizer_index: int) -> StepStats | None:
+        return self.last.get(optimizer_index)
+
+    def record(self, stats: StepStats, *, skipped: bool) -> None:
+        """Add a checked step. Non-finite values and skipped steps stay out of the rolling windows."""
+        import math
+
+        i = stats.optimizer_index
+        self.last[i] = stats
+        if skipped or stats.is_nonfinite:
+            return
+        if stats.names and math.isfinite(stats.total_norm):
+            self.total_norms.setdefault(i, deque(maxlen=self.window)).append(stats.total_norm)
+            layers = self.layer_norms.setdefault(i, {})
+            for name, v in stats.layer_norms.items():
+                if math.isfinite(v):
+                    layers.setdefault(name, deque(maxlen=self.window)).append(v)
+        if stats.loss is not None and math.isfinite(stats.loss):
+            if self.losses.maxlen != self.window:
+                self.losses = deque(self.losses, maxlen=self.window)
+            self.losses.append(stats.loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": self.window,
+            "total_norms": {k: list(v) for k, v in self.total_norms.items()},
+            "layer_norms": {k: {n: list(d) for n, d in v.items()} for k, v in self.layer_norms.items()},
+            "losses": list(self.losses),
+            "reported": dict(self.reported),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        w = int(state.get("window", self.window))
+        self.total_norms = {int(k): deque(v, maxlen=w) for k, v in state.get("total_norms", {}).items()}
+        self.layer_norms = {
+            int(k): {n: deque(d, maxlen=w) for n, d in v.items()} for k, v in state.get("layer_norms", {}).items()
+        }
+        self.losses = deque(state.get("losses", []), maxlen=w)
+        self.reported = dict(state.get("reported", {}))

@@ -1,0 +1,104 @@
+"""Who is who: qualified names of parameters and modules, and which optimizer holds which parameter.
+
+Built once at attach time and rebuilt only when the model's set of parameters changes (a head swapped
+in, a parameter re-registered), which global registration hooks tell us without a per-step scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimizerParams:
+    """The parameters one optimizer updates, in the optimizer's order, with their names."""
+
+    index: int
+    optimizer: torch.optim.Optimizer | None
+    params: list[torch.Tensor]
+    names: list[str]
+    #: Module (qualified name) owning each parameter, "" for the root, None if the model does not own it.
+    modules: list[str | None]
+    #: Names of parameters this optimizer holds that the model does not own.
+    foreign: list[str] = field(default_factory=list)
+
+
+class ParamIndex:
+    """Names for every parameter of ``model`` and the watched optimizers.
+
+    Tied weights (one tensor registered in two modules) are named once, by their first owner.
+    """
+
+    def __init__(self, model: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.optimizers = optimizers
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        self.param_name: dict[int, str] = {}
+        self.param_module: dict[int, str] = {}
+        self.module_name: dict[int, str] = {}
+        self.model_params: list[tuple[str, torch.Tensor]] = []
+        if self.model is not None:
+            for mname, module in self.model.named_modules(remove_duplicate=False):
+                self.module_name.setdefault(id(module), mname)
+            for mname, module in self.model.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    if id(p) in self.param_name:
+                        continue
+                    qual = f"{mname}.{pname}" if mname else pname
+                    self.param_name[id(p)] = qual
+                    self.param_module[id(p)] = mname
+                    self.model_params.append((qual, p))
+        self.per_optimizer = [self._optimizer_params(i, o) for i, o in enumerate(self.optimizers)]
+        if not self.optimizers:
+            # Hand-written updates: every trainable parameter of the model is "the optimizer's".
+            trainable = [(n, p) for n, p in self.model_params if p.requires_grad]
+            self.per_optimizer = [
+                OptimizerParams(
+                    0,
+                    None,
+                    [p for _, p in trainable],
+                    [n for n, _ in trainable],
+                    [self.param_module[id(p)] for _, p in trainable],
+                )
+            ]
+        held = {id(p) for op in self.per_optimizer for p in op.params}
+        self.not_in_optimizer: tuple[str, ...] = tuple(
+            n for n, p in self.model_params if p.requires_grad and id(p) not in held
+        )
+        # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
+        # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
+        self._alive = [p for _, p in self.model_params]
+
+    def _optimizer_params(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerParams:
+        params: list[torch.Tensor] = []
+        names: list[str] = []
+        modules: list[str | None] = []
+        foreign: list[str] = []
+        seen: set[int] = set()
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params.append(p)
+                name = self.param_name.get(id(p))
+                if name is None:
+                    name = f"<optimizer {index} group {gi} param {pi} {tuple(p.shape)}>"
+                    if self.model is not None:
+                        foreign.append(name)
+                    modules.append(None)
+                else:
+                    modules.append(self.param_module[id(p)])
+                names.append(name)
+        return OptimizerParams(index, optimizer, params, names, modules, foreign)
+
+    def name_of(self, p: torch.Tensor) -> str | None:
+        return self.param_name.get(id(p))
+
+    def module_of(self, m: nn.Module) -> str | None:
+        return self.module_name.get(id(m))

@@ -1,0 +1,66 @@
+"""Report: thin writers of findings and step scalars (console, TensorBoard, JSON lines).
+
+Every reporter call goes through :class:`Reporters`, which isolates failures: an exception inside one
+reporter (a full disk, a closed stdout, a broken writer) is reported once as a
+:class:`GradWatchInternalWarning` and never reaches the training loop; the other reporters keep working.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol
+
+from gradwatch.findings import Finding
+
+
+class GradWatchInternalWarning(RuntimeWarning):
+    """gradwatch's own code failed; training continues and the rest of gradwatch keeps working."""
+
+
+_warned: set[str] = set()
+
+
+def internal_warning(where: str, exc: BaseException) -> None:
+    """Warn once per place that gradwatch's own code failed."""
+    if where in _warned:
+        return
+    _warned.add(where)
+    warnings.warn(
+        f"gradwatch: internal error in {where}: {type(exc).__name__}: {exc}. Training continues; this part "
+        "of gradwatch is skipped when it fails (reported once).",
+        GradWatchInternalWarning,
+        stacklevel=3,
+    )
+
+
+class Reporter(Protocol):
+    """What a reporter may implement (all optional)."""
+
+    def finding(self, finding: Finding) -> None: ...
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self, summary: Any) -> None: ...
+
+
+class Reporters:
+    """Fan-out to several reporters with per-reporter fault isolation."""
+
+    def __init__(self, reporters: list[Any]) -> None:
+        self.items = list(reporters)
+
+    def add(self, reporter: Any) -> None:
+        self.items.append(reporter)
+
+    def call(self, method: str, *args: Any) -> None:
+        for r in self.items:
+            fn = getattr(r, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - a reporter must never stop training
+                internal_warning(f"{type(r).__name__}.{method}", exc)
+
+    def of_type(self, cls: type) -> Any:
+        return next((r for r in self.items if isinstance(r, cls)), None)

@@ -1,0 +1,127 @@
+"""TensorBoard reporter: scalars under ``gradwatch/``, findings as text.
+
+Scalars of one step are written as a single event with many values, built on a background thread, so
+the training thread only appends a tuple of floats to a queue. Non-finite values are left out of the
+scalars (they would break charts); the number of non-finite gradients is logged instead.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from typing import Any, Callable
+
+from gradwatch.findings import Finding
+from gradwatch.report import internal_warning
+
+_STOP = object()
+
+
+class TensorBoardReporter:
+    """Writes into a ``SummaryWriter``: its own (from ``log_dir``) or one it is handed (Lightning's).
+
+    Args:
+        log_dir: Directory for a new writer; ignored when ``writer`` is given.
+        writer: An existing ``torch.utils.tensorboard.SummaryWriter`` to write into (not closed by us).
+        flush_every: Flush to disk every N scalar events.
+    """
+
+    def __init__(self, log_dir: str | None = None, writer: Any = None, flush_every: int = 50) -> None:
+        self._owns_writer = writer is None
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=log_dir)
+        self.writer = writer
+        self.log_dir: str = str(getattr(writer, "log_dir", None) or writer.get_logdir())
+        self.flush_every = flush_every
+        self._events = 0
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gradwatch-tensorboard", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- training thread ---------------------------------------------------------------------------
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self._closed:
+            self._queue.put((step, values))
+
+    def finding(self, finding: Finding) -> None:
+        if not self._closed:
+            self._queue.put(lambda w: w.add_text("gradwatch/findings", _markdown(finding), finding.step))
+
+    def submit(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(writer)`` on the writer thread (custom layouts, histograms, ...)."""
+        if not self._closed:
+            self._queue.put(fn)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Block until everything queued so far is written to disk."""
+        if self._closed:
+            return
+        done = threading.Event()
+
+        def _flush(w: Any) -> None:
+            w.flush()
+            done.set()
+
+        self._queue.put(_flush)
+        done.wait(timeout)
+
+    def close(self, summary: Any = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout=30)
+        try:
+            if self._owns_writer:
+                self.writer.close()
+            else:
+                self.writer.flush()
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("TensorBoardReporter.close", exc)
+
+    # -- writer thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                if callable(item):
+                    item(self.writer)
+                else:
+                    self._write_scalars(*item)
+            except Exception as exc:  # noqa: BLE001 - the writer thread must survive a full disk
+                internal_warning("TensorBoardReporter (writer thread)", exc)
+
+    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+        if not finite:
+            return
+        file_writer = getattr(self.writer, "_get_file_writer", None)
+        if file_writer is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in finite.items()])
+            file_writer().add_summary(summary, step)
+        else:  # tensorboardX or another writer: the public path
+            for k, v in finite.items():
+                self.writer.add_scalar(k, v, step)
+        self._events += 1
+        if self._events % self.flush_every == 0:
+            self.writer.flush()
+
+
+def _markdown(f: Finding) -> str:
+    lines = [f"**{f.severity}: {f.kind}** at step {f.step}"]
+    if f.where:
+        lines.append(f"*where:* {f.where}")
+    lines.append("")
+    lines.extend(f.message.splitlines())
+    if f.params:
+        lines.append("")
+        lines.append("parameters: " + ", ".join(f"`{p}`" for p in f.params[:20]))
+    return "  \n".join(lines)

@@ -1,0 +1,193 @@
+"""Observe: fused per-step gradient statistics with a single device-to-host sync.
+
+Per-parameter gradient norms come from ``torch._foreach_norm`` (float32 accumulation, grouped by device
+and dtype), every device value the step needs (norms, observed losses, extension scalars) is put into one
+vector, and that vector is read back once. Everything else is Python arithmetic on floats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_HAS_FOREACH_NORM = hasattr(torch, "_foreach_norm")
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step looked like, as plain Python values.
+
+    Attributes:
+        step: Index of the optimizer step (steps completed before it).
+        optimizer_index: Which watched optimizer.
+        names: Qualified names of the parameters that hold a gradient, in optimizer order.
+        modules: Owning module of each of those parameters (None when the model does not own it).
+        norms: L2 norm of each of those gradients (float32 accumulation).
+        total_norm: L2 norm over all of them.
+        layer_norms: L2 norm per owning module (only with ``per_layer``).
+        none_grad: Trainable parameters of the optimizer whose ``.grad`` is None.
+        nonfinite: Parameters whose gradient holds NaN or Inf (confirmed element-wise).
+        nan_counts: NaN elements per parameter in ``nonfinite``.
+        inf_counts: Inf elements per parameter in ``nonfinite``.
+        overflow_norm: Parameters whose gradient is finite but whose norm overflows float32.
+        loss: Mean of the losses observed since the previous step, if any.
+        loss_nonfinite: Whether any observed loss was NaN or Inf.
+        not_in_optimizer: Trainable model parameters no watched optimizer updates.
+        params_changed: The model's or optimizer's parameter set changed since the previous check.
+        foreign: Parameters the optimizer holds that the model does not own.
+        extra: Values that extensions add (AMP scale, clip ratio, rank flags, ...).
+    """
+
+    step: int
+    optimizer_index: int = 0
+    names: list[str] = field(default_factory=list)
+    modules: list[str | None] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    total_norm: float = 0.0
+    layer_norms: dict[str, float] = field(default_factory=dict)
+    none_grad: tuple[str, ...] = ()
+    nonfinite: tuple[str, ...] = ()
+    nan_counts: dict[str, int] = field(default_factory=dict)
+    inf_counts: dict[str, int] = field(default_factory=dict)
+    overflow_norm: tuple[str, ...] = ()
+    loss: float | None = None
+    loss_nonfinite: bool = False
+    not_in_optimizer: tuple[str, ...] = ()
+    params_changed: bool = False
+    foreign: tuple[str, ...] = ()
+    first_check: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_grads(self) -> bool:
+        return bool(self.names)
+
+    @property
+    def is_nonfinite(self) -> bool:
+        """True when the update would be non-finite (NaN/Inf gradient or loss)."""
+        return bool(self.nonfinite) or self.loss_nonfinite
+
+
+class SyncBatch:
+    """Collects device scalars/vectors and reads them all back with one ``tolist()``.
+
+    Example:
+        >>> b = SyncBatch()
+        >>> slot = b.add(torch.tensor([1.0, 2.0]))
+        >>> b.resolve()[slot]
+        [1.0, 2.0]
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+        self._values: list[list[float]] | None = None
+        self._flat: torch.Tensor | None = None
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue a tensor (any shape; read back flattened as float32). Returns its slot."""
+        t = t.detach()
+        if t.is_complex():
+            t = t.abs()
+        self._parts.append(t.reshape(-1).to(torch.float32))
+        self._sizes.append(self._parts[-1].numel())
+        return len(self._parts) - 1
+
+    def stage(self) -> torch.Tensor | None:
+        """Concatenate everything on one device without syncing (for deferred reads and all-reduce)."""
+        if self._flat is None and self._parts:
+            device = self._parts[0].device
+            parts = [p if p.device == device else p.to(device, non_blocking=True) for p in self._parts]
+            self._flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self._flat
+
+    def replace_flat(self, flat: torch.Tensor) -> None:
+        """Swap in a processed (e.g. all-reduced) copy of :meth:`stage`'s vector."""
+        self._flat = flat
+
+    def resolve(self) -> list[list[float]]:
+        """The one sync: every queued tensor's values, by slot."""
+        if self._values is None:
+            flat = self.stage()
+            values: list[float] = flat.tolist() if flat is not None else []
+            out: list[list[float]] = []
+            pos = 0
+            for n in self._sizes:
+                out.append(values[pos : pos + n])
+                pos += n
+            self._values = out
+        return self._values
+
+
+def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[int, list[int]]]:
+    """Queue per-gradient L2 norms into ``batch``; returns ``(slot, positions)`` pairs to read them back.
+
+    Dense floating gradients go through one fused ``_foreach_norm`` per (device, dtype) with float32
+    accumulation (fp16/bf16 gradients cannot overflow the norm). Sparse, complex and integer gradients
+    take a per-tensor path. Meta tensors have no values and are left out (their norm reads as 0).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    odd: list[int] = []
+    for i, g in enumerate(grads):
+        if g.is_meta:
+            continue
+        if g.layout is torch.strided and g.is_floating_point() and _HAS_FOREACH_NORM:
+            groups[(g.device, g.dtype)].append(i)
+        else:
+            odd.append(i)
+    slots: list[tuple[int, list[int]]] = []
+    for (_device, _dtype), idx in groups.items():
+        tensors = [grads[i] for i in idx]
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        slots.append((batch.add(torch.stack(norms)), idx))
+    for i in odd:
+        g = grads[i]
+        if g.is_sparse:
+            g = g.coalesce().values()
+        if not (g.is_floating_point() or g.is_complex()):
+            g = g.float()
+        slots.append((batch.add(torch.linalg.vector_norm(g).float()), [i]))
+    return slots
+
+
+def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]], n: int) -> list[float]:
+    norms = [0.0] * n
+    for slot, idx in slots:
+        for pos, i in enumerate(idx):
+            norms[i] = values[slot][pos]
+    return norms
+
+
+def total_norm(norms: list[float]) -> float:
+    s = 0.0
+    for v in norms:
+        s += v * v
+    return math.sqrt(s) if math.isfinite(s) else s
+
+
+def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:
+    acc: dict[str, float] = {}
+    for m, v in zip(modules, norms):
+        key = "<root>" if m == "" else ("<foreign>" if m is None else m)
+        acc[key] = acc.get(key, 0.0) + v * v
+    return {k: math.sqrt(v) if math.isfinite(v) else v for k, v in acc.items()}
+
+
+def count_nonfinite(names: list[str], grads: list[torch.Tensor], suspects: list[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Element-wise NaN and Inf counts for the suspect gradients (incident path only: one more sync)."""
+    if not suspects:
+        return {}, {}
+    parts = []
+    for i in suspects:
+        g = grads[i]
+        if g.is_sparse:
+            g = g.coalesce().values()
+        parts.append(torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]).to("cpu"))
+    counts = torch.stack(parts).tolist()
+    nan = {names[i]: int(c[0]) for i, c in zip(suspects, counts) if c[0]}
+    inf = {names[i]: int(c[1]) for i, c in zip(suspects, counts) if c[1]}
+    return nan, inf

@@ -1,0 +1,238 @@
+"""The plain-loop way in: ``gradwatch.watch(model, optimizer)``.
+
+Checks run in an optimizer step pre-hook, i.e. inside ``optimizer.step()``, before the update. For
+closure-driven optimizers (LBFGS, or any ``step(closure)``) the closure is wrapped so the checks see the
+gradients it produced, not stale ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from gradwatch.config import make_config
+from gradwatch.engine import Engine
+from gradwatch.extensions import default_extensions
+from gradwatch.findings import Finding
+from gradwatch.summary import RunSummary
+
+_WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Watcher] = weakref.WeakKeyDictionary()
+
+
+class Watcher:
+    """Watches a model and its optimizer(s) in a plain training loop.
+
+    Use :func:`watch` to build one. After :meth:`close` (or leaving the ``with`` block) every hook is
+    removed and the model and optimizer behave exactly as before.
+
+    Attributes:
+        engine: The shared engine (findings, counters, history).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        *,
+        scaler: Any = None,
+        **config: Any,
+    ) -> None:
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            raise TypeError(f"watch() needs a model instance, got the class {model.__name__}; pass {model.__name__}(...)")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch() needs a torch.nn.Module as model, got {type(model).__name__}: {model!r:.80}")
+        optimizers = _as_optimizers(optimizer)
+        cfg = make_config(**config)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} has no trainable parameters (none with requires_grad=True), so there "
+                "are no gradients to watch; unfreeze some parameters or do not watch this model"
+            )
+        for opt in optimizers:
+            other = _WATCHED.get(opt)
+            if other is not None and not other.closed:
+                raise RuntimeError(
+                    f"optimizer {type(opt).__name__} is already watched by another gradwatch watcher; "
+                    "close() it first (or use one watcher for all optimizers: watch(model, [opt_a, opt_b]))"
+                )
+        self.model = model
+        self.optimizers = optimizers
+        self.scaler = scaler
+        self.engine = Engine(model, optimizers, cfg)
+        self._handles: list[Any] = []
+        self._pending_snapshot: dict[int, dict[Any, Any]] = {}
+        self._closure_step: set[int] = set()
+        for i, opt in enumerate(optimizers):
+            _WATCHED[opt] = self
+            self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre_step, i)))
+            self._handles.append(opt.register_step_post_hook(functools.partial(self._post_step, i)))
+        for ext in default_extensions(self.engine, scaler=scaler, integration="plain"):
+            self.engine.add_extension(ext)
+
+    # -- public ------------------------------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding so far, in order."""
+        return self.engine.findings
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    @property
+    def log_dir(self) -> str | None:
+        return self.engine.log_dir
+
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Tell gradwatch this step's loss (optional; no sync: it is read with the step's statistics)."""
+        self.engine.observe_loss(loss)  # type: ignore[arg-type]
+
+    def check(self) -> bool:
+        """Check now, for loops without an optimizer (hand-written updates). Call after ``backward()``.
+
+        Returns:
+            True if the update may be applied; False when it must be skipped (non-finite under
+            ``on_nonfinite="skip"``): gradwatch cannot skip a hand-written update for you.
+
+        Raises:
+            GradWatchError: under ``on_nonfinite="raise"``.
+        """
+        try:
+            return self.engine.check_step(0) == "ok"
+        finally:
+            self.engine.step_done(0)
+
+    def explain(self, exc: BaseException) -> Finding | None:
+        """Diagnose an exception from the training code (autograd errors); returns the finding, if any."""
+        return self.engine.explain_exception(exc)
+
+    def summary(self) -> RunSummary:
+        return self.engine.summary()
+
+    def close(self) -> None:
+        """Remove every hook, flush and close the reports, print the summary. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.engine.restore_grads()
+        for opt in self.optimizers:
+            if _WATCHED.get(opt) is self:
+                del _WATCHED[opt]
+        self.engine.close()
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            if exc is not None and isinstance(exc, Exception):
+                self.engine.explain_exception(exc)
+        finally:
+            self.close()
+        return False  # never swallow the user's exception
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _pre_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[0] if args else None)
+        if closure is not None and callable(closure):
+            self._closure_step.add(index)
+            if self.engine.should_check(index) and self.engine.config.on_nonfinite == "skip":
+                self._pending_snapshot[index] = self.engine.snapshot_state(index)
+            wrapped = self._wrap_closure(index, closure)
+            if "closure" in kwargs:
+                return args, dict(kwargs, closure=wrapped)
+            return (wrapped, *args[1:]), kwargs
+        self._check(index)
+        return None
+
+    def _wrap_closure(self, index: int, closure: Callable[[], Any]) -> Callable[[], Any]:
+        first = [True]
+
+        def gradwatch_closure() -> Any:
+            loss = closure()
+            if first[0]:
+                first[0] = False
+                if isinstance(loss, torch.Tensor) and loss.numel() > 0:
+                    self.engine.observe_loss(loss)
+                self._check(index)
+            return loss
+
+        return gradwatch_closure
+
+    def _check(self, index: int) -> None:
+        if self.engine.check_step(index) == "skip":
+            self.engine.suppress_update(index, self._pending_snapshot.pop(index, None))
+
+    def _post_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.engine.restore_grads()
+        self._pending_snapshot.pop(index, None)
+        if index in self._closure_step:
+            self._closure_step.discard(index)
+            self.engine._losses.clear()  # later line-search evaluations of this step
+        self.engine.step_done(index)
+
+
+def watch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    **config: Any,
+) -> Watcher:
+    """Watch a plain PyTorch training loop. One line to attach.
+
+    Args:
+        model: The model being trained.
+        optimizer: Its optimizer, a list of optimizers, or None for hand-written updates (then call
+            :meth:`Watcher.check` after ``backward()``).
+        **config: Any :class:`gradwatch.Config` keyword (``on_nonfinite``, ``log_dir``, ``every``, ...),
+            plus ``scaler=`` (a ``torch.amp.GradScaler``) for exact AMP accounting.
+
+    Returns:
+        A :class:`Watcher`; use it as a context manager or call ``close()`` at the end.
+
+    Example:
+        >>> import torch, gradwatch
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with gradwatch.watch(model, opt, console=False) as gw:
+        ...     for _ in range(3):
+        ...         loss = model(torch.randn(8, 4)).pow(2).mean()
+        ...         gw.observe_loss(loss)
+        ...         opt.zero_grad()
+        ...         loss.backward()
+        ...         opt.step()
+        >>> gw.findings
+        []
+    """
+    return Watcher(model, optimizer, **config)
+
+
+def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, type):
+        raise TypeError(f"optimizer must be an optimizer instance, got the class {optimizer.__name__}")
+    if isinstance(optimizer, (list, tuple, types.GeneratorType)):
+        opts = list(optimizer)
+        bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+        if bad or not opts:
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a non-empty list of them, got {[type(o).__name__ for o in opts]}"
+            )
+        if len({id(o) for o in opts}) != len(opts):
+            raise ValueError("the same optimizer is listed twice")
+        return opts
+    inner = getattr(optimizer, "optimizer", None)  # e.g. a LightningOptimizer or another wrapper
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got {type(optimizer).__name__}")
