@@ -142,7 +142,9 @@ class Watcher:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _pre_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        closure = kwargs.get("closure") if "closure" in kwargs else (args[0] if args else None)
+        # ``args`` starts with the optimizer itself (torch passes the bound call's positional arguments).
+        pos = 1 if args and args[0] is optimizer else 0
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[pos] if len(args) > pos else None)
         if closure is not None and callable(closure):
             self._closure_step.add(index)
             if self.engine.should_check(index) and self.engine.config.on_nonfinite == "skip":
@@ -150,7 +152,7 @@ class Watcher:
             wrapped = self._wrap_closure(index, closure)
             if "closure" in kwargs:
                 return args, dict(kwargs, closure=wrapped)
-            return (wrapped, *args[1:]), kwargs
+            return (*args[:pos], wrapped, *args[pos + 1 :]), kwargs
         self._check(index)
         return None
 

@@ -1,0 +1,505 @@
+"""The plain-loop watcher: each core check fires on its bug at the right step and stays silent otherwise."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+from gradwatch import GradWatchError
+
+
+class Net(nn.Module):
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        if unused:
+            self.aux = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=120, color_system=None), buf
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 4, generator=g) for _ in range(n)]
+
+
+def train(model, opt, gw, xs, nan_at=None, inf_grad_at=None):
+    for step, x in enumerate(xs):
+        loss = model(x).pow(2).mean()
+        if step == nan_at:
+            loss = loss * float("nan")
+        if gw is not None:
+            gw.observe_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        if step == inf_grad_at:
+            model.head.bias.grad[0] = float("inf")
+        opt.step()
+
+
+def kinds(gw) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in gw.findings]
+
+
+def snapshot(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()} for k, v in opt.state.items()}
+    return params, state
+
+
+def same_state(a, b) -> bool:
+    pa, sa = a
+    pb, sb = b
+    if not all(torch.equal(x, y) for x, y in zip(pa, pb)):
+        return False
+    if sa.keys() != sb.keys():
+        return False
+    for k in sa:
+        for kk in sa[k]:
+            x, y = sa[k][kk], sb[k][kk]
+            if torch.is_tensor(x):
+                if not torch.equal(x, y):
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
+def test_healthy_run_is_silent():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    con, buf = console()
+    gw = gradwatch.watch(model, opt, console=con)
+    train(model, opt, gw, batches(30))
+    assert gw.findings == []
+    assert buf.getvalue() == ""  # nothing printed on healthy steps
+    gw.close()
+    assert "gradwatch summary" in buf.getvalue()
+    assert "none: gradients healthy" in buf.getvalue()
+
+
+def test_nonfinite_loss_found_at_its_step_and_skipped_exactly():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    xs = batches(8)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, xs[:5])
+        before = snapshot(model, opt)
+        train(model, opt, gw, xs[5:6], nan_at=0)  # the 6th step (index 5) is non-finite
+        assert same_state(before, snapshot(model, opt))
+        train(model, opt, gw, xs[6:])
+    assert ("nonfinite_loss", 5) in kinds(gw)
+    assert ("nonfinite_grad", 5) in kinds(gw)
+    assert gw.summary().steps_skipped == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_restores_the_gradients_after_the_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with gradwatch.watch(model, opt, console=False):
+        loss = model(batches(1)[0]).sum() * float("nan")
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        assert [p.grad for p in model.parameters()] == grads  # same tensor objects, unchanged
+
+
+def test_inf_gradient_names_the_parameter_and_counts_inf_apart_from_nan():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(4), inf_grad_at=2)
+    grad_findings = [f for f in gw.findings if f.kind == "nonfinite_grad"]
+    assert len(grad_findings) == 1
+    f = grad_findings[0]
+    assert f.step == 2
+    assert f.params == ("head.bias",)
+    assert f.data["inf_counts"] == {"head.bias": 1}
+    assert f.data["nan_counts"] == {}
+    assert "head.bias" in f.message
+
+
+def test_warn_lets_the_update_happen():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="warn") as gw:
+        train(model, opt, gw, batches(3), nan_at=1)
+    assert ("nonfinite_loss", 1) in kinds(gw)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_raise_stops_before_the_update():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    xs = batches(4)
+    with pytest.raises(GradWatchError) as info:
+        with gradwatch.watch(model, opt, console=False, on_nonfinite="raise") as gw:
+            train(model, opt, gw, xs[:2])
+            before = snapshot(model, opt)
+            train(model, opt, gw, xs[2:3], nan_at=0)
+    assert same_state(before, snapshot(model, opt))
+    assert {f.kind for f in info.value.findings} >= {"nonfinite_loss", "nonfinite_grad"}
+    assert "step 2" in str(info.value)
+
+
+def test_persistent_nonfinite_raises_after_max_skips():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = batches(10)
+    with pytest.raises(GradWatchError, match="max_skips=3"):
+        with gradwatch.watch(model, opt, console=False, max_skips=3) as gw:
+            for x in xs:
+                loss = model(x).sum() * float("nan")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert gw.summary().steps_skipped == 3
+    assert gw.findings[-1].kind == "too_many_skips"
+
+
+def test_unused_parameters_are_named_once():
+    torch.manual_seed(0)
+    model = Net(unused=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    con, buf = console()
+    with gradwatch.watch(model, opt, console=con) as gw:
+        train(model, opt, gw, batches(10))
+    found = [f for f in gw.findings if f.kind == "none_grad"]
+    assert len(found) == 1
+    assert found[0].step == 0
+    assert found[0].params == ("aux.weight", "aux.bias")
+    assert "aux.weight" in buf.getvalue()
+
+
+def test_none_grad_reported_again_when_the_set_changes():
+    torch.manual_seed(0)
+    model = Net(unused=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step, x in enumerate(batches(6)):
+            out = model(x)
+            if step >= 3:
+                out = out + model.aux(model.encoder(x)).sum()
+            opt.zero_grad()
+            out.pow(2).mean().backward()
+            opt.step()
+    found = [(f.step, f.params) for f in gw.findings if f.kind == "none_grad"]
+    assert found == [(0, ("aux.weight", "aux.bias"))]  # used from step 3 on: the set became empty
+
+
+def test_frozen_layers_are_not_flagged():
+    torch.manual_seed(0)
+    model = Net()
+    model.encoder.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(10))
+    assert gw.findings == []
+
+
+def test_parameter_left_out_of_the_optimizer_is_named():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(5))
+    found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
+    assert len(found) == 1
+    assert found[0].step == 0
+    assert set(found[0].params) == {"encoder.0.weight", "encoder.0.bias"}
+
+
+def test_head_swapped_after_the_optimizer_is_found_at_that_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(3))
+        model.head = nn.Linear(8, 1)  # the classic fine-tuning bug
+        train(model, opt, gw, batches(3))
+    found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
+    assert [(f.step, f.params) for f in found] == [(3, ("head.weight", "head.bias"))]
+
+
+def test_step_without_any_gradient():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(2))
+        opt.zero_grad()
+        opt.step()
+    assert ("no_grads", 2) in kinds(gw)
+    assert "loss.backward()" in gw.findings[-1].message
+
+
+def test_intentional_accumulation_is_not_flagged():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    xs = batches(16)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(0, 16, 4):
+            opt.zero_grad()
+            for x in xs[i : i + 4]:
+                loss = model(x).pow(2).mean() / 4
+                gw.observe_loss(loss)
+                loss.backward()
+            opt.step()
+    assert gw.findings == []
+
+
+def test_tied_weights_are_named_once_and_not_flagged():
+    torch.manual_seed(0)
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 6)
+            self.out = nn.Linear(6, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(idx))
+
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(5):
+            idx = torch.randint(0, 10, (4, 3))
+            loss = nn.functional.cross_entropy(model(idx).reshape(-1, 10), idx.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert gw.findings == []
+    assert gw.engine.index.per_optimizer[0].names == ["emb.weight"]
+
+
+def test_lbfgs_checks_the_gradients_of_the_closure():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    xs = batches(6)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step, x in enumerate(xs):
+
+            def closure(x=x, step=step):
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                if step == 3:
+                    loss = loss * float("nan")
+                loss.backward()
+                return loss
+
+            if step == 3:
+                before = snapshot(model, opt)
+            opt.step(closure)
+            if step == 3:
+                assert same_state(before, snapshot(model, opt))
+    assert [k for k in kinds(gw) if k[0].startswith("nonfinite")] == [("nonfinite_loss", 3), ("nonfinite_grad", 3)]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_healthy_lbfgs_is_silent():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(5):
+
+            def closure(x=x):
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    assert gw.findings == []
+
+
+def test_several_optimizers_each_checked_on_its_own():
+    torch.manual_seed(0)
+    model = Net()
+    opt_a = torch.optim.SGD(model.encoder.parameters(), lr=0.1)
+    opt_b = torch.optim.Adam(model.head.parameters(), lr=1e-2)
+    with gradwatch.watch(model, [opt_a, opt_b], console=False) as gw:
+        for step, x in enumerate(batches(6)):
+            loss = model(x).pow(2).mean()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            loss.backward()
+            if step == 4:
+                model.head.weight.grad.fill_(float("nan"))
+            opt_a.step()
+            opt_b.step()
+    assert [(f.kind, f.step, f.params, f.data["optimizer"]) for f in gw.findings] == [
+        ("nonfinite_grad", 4, ("head.weight",), 1)
+    ]
+
+
+def test_hand_written_update_with_check():
+    torch.manual_seed(0)
+    model = Net()
+    applied = []
+    with gradwatch.watch(model, console=False) as gw:
+        for step, x in enumerate(batches(4)):
+            model.zero_grad()
+            loss = model(x).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+            loss.backward()
+            ok = gw.check()
+            applied.append(ok)
+            if ok:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+    assert applied == [True, True, False, True]
+    assert ("nonfinite_grad", 2) in kinds(gw)
+
+
+def test_every_checks_only_every_nth_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, every=3) as gw:
+        train(model, opt, gw, batches(7), inf_grad_at=4)
+    assert gw.summary().steps_checked == 3  # steps 0, 3, 6
+    # step 4 was not checked, so its Inf reached the weights; the next checked step sees the damage
+    assert {f.step for f in gw.findings if f.kind.startswith("nonfinite")} == {6}
+
+
+def test_tensorboard_tags_and_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
+        train(model, opt, gw, batches(6), nan_at=3)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {
+        "gradwatch/grad_norm/total",
+        "gradwatch/grad_norm/encoder.0",
+        "gradwatch/grad_norm/head",
+        "gradwatch/loss",
+        "gradwatch/skipped_steps",
+        "gradwatch/findings/nonfinite_loss",
+    } <= tags
+    total = acc.Scalars("gradwatch/grad_norm/total")
+    assert [e.step for e in total] == [0, 1, 2, 4, 5]  # the non-finite step is not charted
+    skipped = {e.step: e.value for e in acc.Scalars("gradwatch/skipped_steps")}
+    assert skipped[2] == 0 and skipped[3] == 1
+    assert "gradwatch/findings/text_summary" in acc.Tags()["tensors"]
+    lines = [json.loads(line) for line in open(os.path.join(tmp_path, "gradwatch.jsonl"))]
+    assert [(r["kind"], r["step"]) for r in lines] == [("nonfinite_loss", 3), ("nonfinite_grad", 3)]
+
+
+def test_close_leaves_no_hook_behind():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, console=False)
+    train(model, opt, gw, batches(2))
+    gw.close()
+    gw.close()  # idempotent
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks and not m._backward_hooks
+    for p in model.parameters():
+        assert not p._backward_hooks
+    # a new watcher can attach to the same optimizer
+    with gradwatch.watch(model, opt, console=False) as gw2:
+        train(model, opt, gw2, batches(2))
+    assert gw2.findings == []
+
+
+def test_a_second_live_watcher_on_the_same_optimizer_is_refused():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False):
+        with pytest.raises(RuntimeError, match="already watched"):
+            gradwatch.watch(model, opt, console=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"on_nonfinite": "ignore"}, ValueError, r"on_nonfinite='ignore' is not one of 'warn', 'skip', 'raise'"),
+        ({"every": 0}, ValueError, r"every=0 must be an integer >= 1"),
+        ({"every": 1.5}, TypeError, r"every=1.5"),
+        ({"max_skips": -1}, ValueError, r"max_skips=-1"),
+        ({"log_dirr": "x"}, TypeError, r"unknown gradwatch option 'log_dirr'; known options: on_nonfinite, log_dir"),
+        ({"console": "yes"}, TypeError, r"console='yes'"),
+    ],
+)
+def test_bad_configuration_is_refused_with_the_value(kwargs, error, match):
+    model = Net()
+    with pytest.raises(error, match=match):
+        gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_bad_model_and_optimizer_are_refused():
+    model = Net()
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        gradwatch.watch("model")
+    with pytest.raises(TypeError, match="the class Net"):
+        gradwatch.watch(Net)
+    with pytest.raises(TypeError, match="the class SGD"):
+        gradwatch.watch(model, torch.optim.SGD)
+    frozen = Net().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        gradwatch.watch(frozen)
+
+
+def test_unwritable_log_dir_warns_and_keeps_the_console(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    con, buf = console()
+    with pytest.warns(gradwatch.GradWatchInternalWarning, match="cannot write logs"):
+        gw = gradwatch.watch(model, opt, console=con, log_dir=str(blocker / "run"))
+    train(model, opt, gw, batches(3), nan_at=1)
+    gw.close()
+    assert ("nonfinite_loss", 1) in kinds(gw)
+    assert "nonfinite_loss at step 1" in buf.getvalue()
+
+
+def test_repeated_findings_are_rate_limited_on_the_console():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    con, buf = console()
+    with gradwatch.watch(model, opt, console=con, rate_limit=2, max_skips=None) as gw:
+        for x in batches(6):
+            loss = model(x).sum() * float("nan")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert len([f for f in gw.findings if f.kind == "nonfinite_grad"]) == 6
+    out = buf.getvalue()
+    assert out.count("nonfinite_grad at step") == 2
+    assert "further 'nonfinite_grad' findings are recorded but not printed" in out
