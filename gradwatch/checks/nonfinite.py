@@ -45,7 +45,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         modules = sorted({m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite and m is not None})
         nan_total = sum(stats.nan_counts.values())
         inf_total = sum(stats.inf_counts.values())
-        first_module = next((m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite), None)
         out.append(
             Finding(
                 kind="nonfinite_grad",
@@ -61,7 +60,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "high a learning rate."
                 ),
                 params=stats.nonfinite,
-                module=first_module if first_module else None,
+                module=modules[0] if len(modules) == 1 and modules[0] else None,
                 data={
                     "nan_counts": dict(stats.nan_counts),
                     "inf_counts": dict(stats.inf_counts),
