@@ -10,4 +10,7 @@ Integration = Literal["plain", "lightning"]
 def default_extensions(engine: Any, *, scaler: Any = None, integration: Integration = "plain") -> list[Any]:
     """The extensions for a new engine, in the order they run."""
     exts: list[Any] = []
+    from gradwatch.zero_grad import ZeroGradTracker
+
+    exts.append(ZeroGradTracker())
     return exts

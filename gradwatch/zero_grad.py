@@ -1,0 +1,232 @@
+"""Observe whether each step's gradients were cleared since the previous step (forgotten ``zero_grad``).
+
+The facts come from the gradients themselves, not from patching ``zero_grad`` (Lightning's manual
+optimization bypasses patched instances and never fires ``on_before_zero_grad``). Per optimizer, one
+representative parameter (the smallest trainable one; re-picked when it holds no gradient at a check
+while others do) carries two hooks, so the cost is two Python calls per backward pass, whatever the
+model's size:
+
+- a tensor hook, which runs before the incoming gradient is accumulated, while ``p.grad`` still holds
+  the old value: it sees whether the old gradient was set to None, replaced, or modified in place
+  (``grad._version`` moves by one per accumulation and by one for ``zero_()`` / ``zero_grad(set_to_none=False)``);
+- a post-accumulate hook, which counts the backward passes that accumulated into ``p.grad``.
+
+At each check the representative's gradient is compared with the one the previous check saw (by weak
+reference: a freed gradient's ``id()`` is reused at once):
+
+- None, another tensor, or a version bump beyond the counted accumulations: cleared since the previous
+  step ("fresh").
+- The same tensor, only accumulations in between: either ``zero_grad`` was forgotten or the gradient was
+  zeroed through ``.data`` (no version bump). The tensor hook then queued a lazy device scalar "the old
+  gradient is all zeros" (no sync); it is read with the step's one sync. Zeros seen: fresh. Otherwise the
+  step's gradient holds the previous step's: ``stats.extra["zero_grad_missing"] = True``.
+
+``grads_cleared_before_step``: backward passes reached the representative since the previous check, but
+at step time the optimizer has no gradient at all, or every gradient is zero after an in-place change
+that came after the last backward (``zero_grad`` called between ``backward()`` and ``step()``).
+
+Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
+backward passes counted, state), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
+The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from gradwatch.report import internal_warning
+
+#: ``stats.extra["zero_grad"]["state"]`` values.
+FRESH = "fresh"
+ACCUMULATED = "accumulated"
+UNKNOWN = "unknown"
+PENDING = "pending"
+
+_SLOT_ZERO = "zero_grad/old_grad_zero"
+_SLOT_NONZERO = "zero_grad/after_backward_nonzero"
+
+
+class _Tracker:
+    """What one optimizer's representative parameter has seen since the previous check."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.rep: torch.Tensor | None = None
+        self.rep_name: str = ""
+        self.handles: list[Any] = []
+        # Baseline: the gradient the previous check saw.
+        self.base_ref: weakref.ref[torch.Tensor] | None = None
+        self.base_version = 0
+        # Since the baseline.
+        self.accumulations = 0
+        self.cleared = False  # set to None, replaced, or zeroed with a version bump
+        self.old_zero: torch.Tensor | None = None  # lazy: some old gradient about to be added to was all zeros
+        # After the most recent accumulation.
+        self.post_ref: weakref.ref[torch.Tensor] | None = None
+        self.post_version = 0
+        self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
+
+    def reset(self) -> None:
+        g = self.rep.grad if self.rep is not None else None
+        self.base_ref = weakref.ref(g) if g is not None else None
+        self.base_version = g._version if g is not None else 0
+        self.accumulations = 0
+        self.cleared = False
+        self.old_zero = None
+        self.post_nonzero = None
+
+    # -- hooks (run inside backward: must never raise) ----------------------------------------------
+    def before_accumulate(self, incoming: torch.Tensor) -> None:
+        try:
+            if self.base_ref is None or self.cleared or self.rep is None:
+                return
+            g = self.rep.grad
+            if g is None or g is not self.base_ref():
+                self.cleared = True
+            elif g._version != self.base_version + self.accumulations:
+                self.cleared = True  # zero_() / zero_grad(set_to_none=False) since the previous step
+            else:
+                # Same tensor, only accumulations since the previous check: zero_grad forgotten, or the
+                # gradient was zeroed through .data (no version bump). Its value tells them apart.
+                zero = g.eq(0).all() if not g.is_sparse else g.coalesce().values().eq(0).all()
+                self.old_zero = zero if self.old_zero is None else self.old_zero.logical_or(zero)
+        except Exception as exc:  # noqa: BLE001 - never break the user's backward
+            internal_warning("zero_grad tensor hook", exc)
+
+    def after_accumulate(self, param: torch.Tensor) -> None:
+        try:
+            g = param.grad
+            if g is None:
+                return
+            self.accumulations += 1
+            same = self.post_ref is not None and self.post_ref() is g
+            self.post_ref = weakref.ref(g)
+            self.post_version = g._version
+            # A persisting gradient tensor can be zeroed in place between backward() and step(); remember
+            # whether it held anything, to tell that apart from a gradient that is zero by itself.
+            if same and not g.is_sparse:
+                self.post_nonzero = g.ne(0).any()
+            else:
+                self.post_nonzero = None
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("zero_grad accumulate hook", exc)
+
+    def hook(self, param: torch.Tensor, name: str) -> None:
+        self.unhook()
+        self.rep = param
+        self.rep_name = name
+        self.post_ref = None
+        self.handles.append(param.register_hook(self.before_accumulate))
+        if hasattr(param, "register_post_accumulate_grad_hook"):
+            self.handles.append(param.register_post_accumulate_grad_hook(self.after_accumulate))
+
+    def unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.rep = None
+
+
+class ZeroGradTracker:
+    """Engine extension: is each step's gradient this step's only? See the module docstring."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.trackers: list[_Tracker] = []
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        for op in engine.index.per_optimizer:
+            t = _Tracker(op.index)
+            self.trackers.append(t)
+            candidates = [(p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf]
+            if candidates:
+                p, n = min(candidates, key=lambda c: c[0].numel())
+                t.hook(p, n)
+
+    def before_sync(self, ctx: Any) -> None:
+        stats = ctx.stats
+        i = stats.optimizer_index
+        if i >= len(self.trackers):
+            return
+        t = self.trackers[i]
+        rep = t.rep
+        if rep is not None and stats.params_changed:
+            op = self.engine.index.per_optimizer[i]
+            if not any(p is rep for p in op.params):
+                t.unhook()
+                rep = None
+        g = rep.grad if rep is not None else None
+        facts: dict[str, Any] = {
+            "optimizer": i,
+            "param": t.rep_name if rep is not None else None,
+            "backward_passes": t.accumulations,
+            "state": self._state(t, g),
+        }
+        if facts["state"] == PENDING and t.old_zero is not None:
+            ctx.slots[_SLOT_ZERO] = ctx.batch.add(t.old_zero)
+        cleared = False
+        if t.accumulations > 0:
+            if not ctx.grads:
+                cleared = True
+            elif (
+                g is not None
+                and t.post_ref is not None
+                and t.post_ref() is g
+                and g._version > t.post_version
+                and t.post_nonzero is not None
+            ):
+                # Modified in place after the last backward: zeroed, or clipped/unscaled? The step's norms
+                # (all zero?) and whether the gradient held anything right after backward decide.
+                ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
+        stats.extra["zero_grad"] = facts
+        stats.extra["zero_grad_missing"] = False
+        stats.extra["grads_cleared_before_step"] = cleared
+        # New baseline; re-pick the representative if it holds no gradient while others do.
+        if g is None and ctx.grads:
+            candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
+            if candidates:
+                p, n = min(candidates, key=lambda c: c[0].numel())
+                if p is not t.rep:
+                    t.hook(p, n)
+        t.reset()
+
+    @staticmethod
+    def _state(t: _Tracker, g: torch.Tensor | None) -> str:
+        if t.rep is None or t.base_ref is None:
+            return UNKNOWN
+        if g is None or g is not t.base_ref() or t.cleared:
+            return FRESH
+        if g._version < t.base_version + t.accumulations:
+            return UNKNOWN
+        if t.accumulations == 0:
+            return UNKNOWN  # no backward reached it since the previous step
+        return PENDING if t.old_zero is not None else UNKNOWN
+
+    def after_sync(self, ctx: Any) -> None:
+        stats = ctx.stats
+        facts = stats.extra.get("zero_grad")
+        if not isinstance(facts, dict):
+            return
+        values = None
+        if _SLOT_ZERO in ctx.slots:
+            values = ctx.batch.resolve()
+            old_zero = bool(values[ctx.slots[_SLOT_ZERO]][0])
+            facts["state"] = FRESH if old_zero else ACCUMULATED
+            stats.extra["zero_grad_missing"] = not old_zero
+        if _SLOT_NONZERO in ctx.slots:
+            values = values if values is not None else ctx.batch.resolve()
+            held = bool(values[ctx.slots[_SLOT_NONZERO]][0])
+            if held and stats.names and stats.total_norm == 0.0:
+                stats.extra["grads_cleared_before_step"] = True
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.unhook()
+            t.base_ref = None
+            t.post_ref = None
+            t.old_zero = None
+            t.post_nonzero = None

@@ -1,0 +1,336 @@
+"""Forgotten ``zero_grad`` (``zero_grad_missing``) and ``zero_grad`` between backward and step
+(``grads_cleared_before_step``) in plain loops: flagged at the right step, silent on every healthy way of
+clearing or accumulating gradients."""
+
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 4, generator=g) for _ in range(n)]
+
+
+def kinds(gw: gradwatch.Watcher) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in gw.findings]
+
+
+ZERO_KINDS = ("zero_grad_missing", "grads_cleared_before_step")
+
+
+def zero_kinds(gw: gradwatch.Watcher) -> list[tuple[str, int]]:
+    return [k for k in kinds(gw) if k[0] in ZERO_KINDS]
+
+
+def loop(clear: Callable[[nn.Module, torch.optim.Optimizer], None], steps: int = 5, **config: object) -> gradwatch.Watcher:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with gradwatch.watch(model, opt, console=False, **config) as gw:
+        for x in batches(steps):
+            loss = model(x).pow(2).mean()
+            clear(model, opt)
+            loss.backward()
+            opt.step()
+    return gw
+
+
+def _each_grad(model: nn.Module, fn: Callable[[torch.Tensor], None]) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            fn(p.grad)
+
+
+# -- must flag ------------------------------------------------------------------------------------
+def test_forgotten_zero_grad_is_flagged_at_the_second_step() -> None:
+    gw = loop(lambda model, opt: None)
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+    f = gw.findings[0]
+    assert f.severity == "error"
+    assert f.data["optimizer"] == 0
+    assert set(f.params) == {"encoder.0.weight", "encoder.0.bias", "head.weight", "head.bias"}
+    assert "optimizer.zero_grad()" in f.message
+
+
+def test_forgotten_zero_grad_is_printed_with_the_fix() -> None:
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, color_system=None)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=console):
+        for x in batches(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+    text = buf.getvalue()
+    assert "gradwatch error: zero_grad_missing at step 1" in text
+    assert "optimizer 0 stepped at step 1 with gradients accumulated on top of the previous step's" in text
+    assert "call optimizer.zero_grad() (or model.zero_grad()) once per step before loss.backward()" in text
+
+
+def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt_enc = torch.optim.SGD(model.encoder.parameters(), lr=0.01)
+    opt_head = torch.optim.SGD(model.head.parameters(), lr=0.01)
+    with gradwatch.watch(model, [opt_enc, opt_head], console=False) as gw:
+        for x in batches(4):
+            loss = model(x).pow(2).mean()
+            opt_enc.zero_grad()
+            opt_enc.zero_grad()  # meant opt_head
+            loss.backward()
+            opt_enc.step()
+            opt_head.step()
+    found = [f for f in gw.findings if f.kind == "zero_grad_missing"]
+    assert [(f.step, f.data["optimizer"]) for f in found] == [(1, 1)]
+    assert set(found[0].params) == {"head.weight", "head.bias"}
+
+
+def test_zero_grad_called_once_before_the_loop_is_flagged() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        opt.zero_grad()
+        for x in batches(4):
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+
+
+def test_forgotten_zero_grad_is_flagged_with_hand_written_updates() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    with gradwatch.watch(model, console=False) as gw:
+        for x in batches(3):
+            model(x).pow(2).mean().backward()
+            if gw.check():
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+
+
+def test_forgotten_zero_grad_is_flagged_in_deferred_mode() -> None:
+    gw = loop(lambda model, opt: None, deferred=True, on_nonfinite="warn")
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+
+
+def test_zero_grad_between_backward_and_step_is_flagged_not_no_grads() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(3):
+            model(x).pow(2).mean().backward()
+            opt.zero_grad()
+            opt.step()
+    assert kinds(gw) == [("grads_cleared_before_step", 0)]
+    assert "zero_grad() was called between loss.backward() and optimizer.step()" in gw.findings[0].message
+
+
+def test_zero_grad_without_set_to_none_between_backward_and_step_is_flagged() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(3):
+            model(x).pow(2).mean().backward()
+            opt.zero_grad(set_to_none=False)
+            opt.step()
+    # The first step has no earlier gradient to compare with; the second one shows it.
+    assert zero_kinds(gw) == [("grads_cleared_before_step", 1)]
+
+
+# -- must not flag: every healthy way of clearing gradients ----------------------------------------
+def test_zero_grad_set_to_none_is_silent() -> None:
+    assert kinds(loop(lambda model, opt: opt.zero_grad(set_to_none=True))) == []
+
+
+def test_zero_grad_without_set_to_none_is_silent() -> None:
+    assert kinds(loop(lambda model, opt: opt.zero_grad(set_to_none=False))) == []
+
+
+def test_model_zero_grad_is_silent() -> None:
+    assert kinds(loop(lambda model, opt: model.zero_grad())) == []
+
+
+def test_grads_set_to_none_by_hand_is_silent() -> None:
+    def clear(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for p in model.parameters():
+            p.grad = None
+
+    assert kinds(loop(clear)) == []
+
+
+def test_grad_zero_in_place_is_silent() -> None:
+    assert kinds(loop(lambda model, opt: _each_grad(model, lambda g: g.zero_()))) == []
+
+
+def test_grad_data_zero_in_place_is_silent() -> None:
+    # .data.zero_() leaves grad._version alone: the value of the old gradient decides.
+    assert kinds(loop(lambda model, opt: _each_grad(model, lambda g: g.data.zero_()))) == []
+
+
+def test_gradient_clipping_between_backward_and_step_is_silent() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(5):
+            opt.zero_grad(set_to_none=False)
+            model(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+    assert kinds(gw) == []
+
+
+def test_intentional_accumulation_over_several_backward_calls_is_silent() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = batches(12)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(xs):
+            (model(x).pow(2).mean() / 4).backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    assert kinds(gw) == []
+
+
+def test_lbfgs_closure_is_silent() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(3):
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    assert kinds(gw) == []
+
+
+def test_gan_with_d_stepping_five_times_per_g_step_is_silent() -> None:
+    # G's backward also fills D's gradients; D clears them before its own backward. Each optimizer is
+    # zeroed on its own schedule.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2))
+    disc = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = nn.ModuleDict({"gen": gen, "disc": disc})
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    with gradwatch.watch(model, [opt_d, opt_g], console=False) as gw:
+        for _ in range(3):
+            for _ in range(5):
+                opt_d.zero_grad(set_to_none=False)
+                fake = gen(torch.randn(8, 2)).detach()
+                loss_d = disc(fake).mean() - disc(torch.randn(8, 2)).mean()
+                loss_d.backward()
+                opt_d.step()
+            opt_g.zero_grad()
+            loss_g = -disc(gen(torch.randn(8, 2))).mean()
+            loss_g.backward()
+            opt_g.step()
+    assert kinds(gw) == []
+
+
+def test_parameters_without_gradient_this_step_are_silent() -> None:
+    # The smallest parameter (aux.bias) gets a gradient only on even steps.
+    torch.manual_seed(0)
+
+    class Branchy(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aux = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
+            h = self.encoder(x)
+            return self.head(h) + (self.aux(h) if use_aux else 0)
+
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(6)):
+            opt.zero_grad(set_to_none=i % 3 == 0)
+            model(x, use_aux=i % 2 == 0).pow(2).mean().backward()
+            opt.step()
+    assert zero_kinds(gw) == []
+
+
+def test_skipped_steps_are_silent() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for i, x in enumerate(batches(5)):
+            opt.zero_grad(set_to_none=False)
+            loss = model(x).pow(2).mean()
+            if i == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+    assert gw.engine.steps_skipped == 1
+    assert zero_kinds(gw) == []
+
+
+def test_checking_every_other_step_is_silent() -> None:
+    assert kinds(loop(lambda model, opt: opt.zero_grad(set_to_none=False), steps=6, every=2)) == []
+
+
+# -- cost and cleanliness -------------------------------------------------------------------------
+def test_only_one_parameter_per_optimizer_carries_hooks_and_close_removes_them() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def hooked() -> list[str]:
+        return [
+            n
+            for n, p in model.named_parameters()
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+        ]
+
+    gw = gradwatch.watch(model, opt, console=False)
+    assert hooked() == ["head.bias"]  # the smallest parameter
+    gw.close()
+    assert hooked() == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_fresh_gradients_add_no_device_value_to_the_step(set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        tracker = gw.engine.extensions[0]
+        for x in batches(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            assert tracker.trackers[0].old_zero is None
+    assert kinds(gw) == []
