@@ -212,8 +212,13 @@ class Engine:
         s = self.step_counts[opt_index] if step is None else step
         return not self._closed and s % self.config.every == 0
 
-    def check_step(self, opt_index: int = 0, step: int | None = None) -> Decision:
+    def check_step(self, opt_index: int = 0, step: int | None = None, *, due: bool | None = None) -> Decision:
         """Run the pipeline for optimizer ``opt_index`` before its update.
+
+        ``step`` labels the findings (default: this optimizer's step count); ``due`` says whether the
+        ``every`` cadence selects this step (default: ``step % every == 0``). Integrations whose step
+        label counts several optimizers' steps (Lightning's ``global_step``) pass
+        ``due=engine.should_check(opt_index)`` so each optimizer keeps its own cadence.
 
         Returns ``"skip"`` when the update must not be applied (the caller suppresses it, e.g. with
         :meth:`suppress_update`). Raises :class:`GradWatchError` under ``on_nonfinite="raise"`` or after
@@ -223,7 +228,7 @@ class Engine:
         if self._closed:
             return "ok"
         s = self.step_counts[opt_index] if step is None else step
-        if s % self.config.every != 0:
+        if not (s % self.config.every == 0 if due is None else due):
             self._losses.clear()
             return "ok"
         try:

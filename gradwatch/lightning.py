@@ -1,0 +1,425 @@
+"""The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.engine.Engine`.
+
+Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: the callback subclasses the
+``Callback`` base of every Lightning namespace that is installed (the two are distinct classes).
+
+Where it hooks in:
+
+- ``on_fit_start``: the engine is built from ``trainer.optimizers`` (the real torch optimizers) and the
+  LightningModule, writing into the Trainer's ``TensorBoardLogger`` when there is one.
+- ``on_before_backward``: the training loss is observed (no sync; read with the step's statistics).
+- ``on_before_optimizer_step``: the checks run here, after the closure and AMP unscaling and before
+  Lightning's gradient clipping, once per accumulation cycle, in automatic and manual optimization.
+  A step to skip gets every ``.grad`` set to None, so the optimizer leaves parameters and state alone;
+  a step post-hook on the real optimizer puts the gradients back.
+- ``on_exception`` / ``teardown``: autograd errors are explained, hooks removed, reports closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from gradwatch.config import Config, OnNonfinite, make_config
+from gradwatch.engine import Engine
+from gradwatch.extensions import default_extensions
+from gradwatch.findings import Finding
+from gradwatch.report import internal_warning
+
+INSTALL_HINT = 'pip install "gradwatch[lightning]"'
+
+
+def _callback_bases() -> tuple[type, ...]:
+    # Each namespace on its own: `try lightning.pytorch except: pytorch_lightning` would pick one base and
+    # make the callback unusable in the other namespace's Trainer.
+    bases: list[type] = []
+    try:
+        from lightning.pytorch.callbacks import Callback as _LightningCallback
+
+        bases.append(_LightningCallback)
+    except ImportError:
+        pass
+    try:
+        from pytorch_lightning.callbacks import Callback as _PLCallback
+
+        bases.append(_PLCallback)
+    except ImportError:
+        pass
+    if not bases:
+        raise ImportError(
+            "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
+            f"installed. Install it with: {INSTALL_HINT}"
+        )
+    return tuple(bases)
+
+
+_BASES = _callback_bases()
+
+_LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
+_LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
+
+
+class GradWatchCallback(*_BASES):  # type: ignore[misc]
+    """Watch a Lightning run with gradwatch: the same checks, findings and settings as ``gradwatch.watch``.
+
+    Args:
+        on_nonfinite: ``"skip"`` (default) leaves parameters and optimizer state exactly as they were when a
+            loss or gradient is NaN/Inf; ``"warn"`` reports and lets the update happen; ``"raise"`` makes
+            ``trainer.fit`` raise :class:`gradwatch.GradWatchError`.
+        log_dir: TensorBoard event files and ``gradwatch.jsonl`` go here when the Trainer has no
+            ``TensorBoardLogger``; with one, gradwatch writes into the logger's run instead (same directory,
+            ``trainer.global_step`` as x-axis) and ignores ``log_dir``.
+        **config: Any other :class:`gradwatch.Config` keyword (``every``, ``per_layer``, ``max_skips``,
+            ``console``, ...). Validated here, with the same messages as ``gradwatch.watch``.
+
+    Logged metrics (into the Trainer's ``TensorBoardLogger``, or ``log_dir``; rank zero only):
+
+    - ``gradwatch/grad_norm/total``: L2 norm of all gradients before clipping (``gradwatch/grad_norm/total_opt{i}``
+      per optimizer when there are several).
+    - ``gradwatch/grad_norm/<module>``: per-module gradient norm before clipping (with ``per_layer=True``).
+    - ``gradwatch/clip_ratio``: ``min(1, gradient_clip_val / total_norm)``, the factor Lightning's norm
+      clipping scales the gradients by (1 = not clipped); only with ``Trainer(gradient_clip_val=...)``, the
+      norm algorithm and no ``configure_gradient_clipping`` override.
+    - ``gradwatch/loss``: the training loss of the step (mean over accumulated batches, as returned by
+      ``training_step``).
+    - ``gradwatch/skipped_steps``: updates skipped so far because of NaN/Inf.
+    - ``gradwatch/nonfinite_grads``: parameters with a NaN/Inf gradient at this step.
+    - ``gradwatch/findings/<kind>``: findings of each kind so far.
+    - text ``gradwatch/findings``: every finding, with its explanation.
+
+    Each finding is also appended to ``gradwatch.jsonl`` next to the event files.
+
+    Attributes:
+        engine: The shared engine of the current (or last) fit; ``None`` before ``fit`` or when there is
+            nothing to watch.
+        findings: Every finding so far.
+
+    Example:
+        >>> from gradwatch.lightning import GradWatchCallback
+        >>> cb = GradWatchCallback(on_nonfinite="skip", console=False)
+        >>> # trainer = lightning.pytorch.Trainer(callbacks=[cb]); trainer.fit(model)
+        >>> cb.findings
+        []
+    """
+
+    def __init__(
+        self,
+        *,
+        on_nonfinite: OnNonfinite = "skip",
+        log_dir: str | os.PathLike[str] | None = None,
+        **config: Any,
+    ) -> None:
+        self.config: Config = make_config(on_nonfinite=on_nonfinite, log_dir=log_dir, **config)
+        self.engine: Engine | None = None
+        self._trainer: weakref.ReferenceType[Any] | None = None
+        self._handles: list[Any] = []
+        self._optimizer_ids: dict[int, int] = {}
+        self._pending_state: dict[str, Any] | None = None
+        self._anomaly: tuple[bool, bool] | None = None
+        self._in_step: set[int] = set()  # inside optimizer.step() (step pre-hook ran, post-hook not yet)
+        self._checked: set[int] = set()  # checked, step not yet counted
+        self._backward_seen = False
+        self._loss_scale = 1.0
+        self._automatic = True
+
+    # -- public ------------------------------------------------------------------------------------
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding so far, in order."""
+        return self.engine.findings if self.engine is not None else []
+
+    @property
+    def state_key(self) -> str:
+        return "GradWatchCallback"
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any = None, stage: str | None = None) -> None:
+        _require_instance(self)
+        if stage != "fit":
+            return
+        active = self._trainer() if self._trainer is not None else None
+        if active is not None and active is not trainer:
+            raise RuntimeError(
+                "this GradWatchCallback is already attached to another Trainer that is still fitting; one "
+                "callback instance watches one run at a time. Give each Trainer its own: "
+                "Trainer(callbacks=[GradWatchCallback(...)])"
+            )
+        self._trainer = weakref.ref(trainer)
+        # The Trainer's own anomaly context restores what it found; this restores what gradwatch found.
+        self._anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self._owns(trainer):
+            return
+        try:
+            self._build(trainer, pl_module)
+        except Exception as exc:  # noqa: BLE001 - never make training worse
+            internal_warning("GradWatchCallback.on_fit_start", exc)
+            self._remove_hooks()
+            self.engine = None
+
+    def _build(self, trainer: Any, pl_module: Any) -> None:
+        carried = self._pending_state
+        if carried is None and self.engine is not None:
+            carried = self.engine.state_dict()  # a second fit() continues the counters
+        self._pending_state = carried
+        self.engine = None
+        rank_zero = bool(trainer.is_global_zero)
+        if not any(p.requires_grad for p in pl_module.parameters()):
+            if rank_zero:
+                warnings.warn(
+                    f"gradwatch: {type(pl_module).__name__} has no trainable parameters (none with "
+                    "requires_grad=True), so there are no gradients to watch and GradWatchCallback does "
+                    "nothing in this run. Unfreeze some parameters, or remove the callback.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return
+        optimizers = [o for o in (_unwrap(o) for o in trainer.optimizers) if o is not None]
+        if not optimizers:
+            if rank_zero:
+                warnings.warn(
+                    "gradwatch: the Trainer has no optimizer (configure_optimizers returned none), so "
+                    "GradWatchCallback has no optimizer step to check and does nothing in this run.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return
+        writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
+        engine = Engine(pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir)
+        self.engine = engine
+        for ext in default_extensions(engine, scaler=_scaler(trainer), integration="lightning"):
+            engine.add_extension(ext)
+        clip = _norm_clip_value(trainer, pl_module)
+        if clip is not None:
+            engine.add_extension(ClipRatio(clip))
+        if carried is not None:
+            engine.load_state_dict(carried)
+        self._pending_state = None
+        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        # Automatic optimization backpropagates loss / accumulate_grad_batches; report the loss itself.
+        self._loss_scale = float(trainer.accumulate_grad_batches) if self._automatic else 1.0
+        self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
+        self._in_step.clear()
+        self._checked.clear()
+        self._backward_seen = False
+        for i, opt in enumerate(optimizers):
+            self._handles.append(opt.register_step_pre_hook(functools.partial(self._before_step, i)))
+            self._handles.append(opt.register_step_post_hook(functools.partial(self._after_step, i)))
+
+    # -- the step ----------------------------------------------------------------------------------
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        engine = self.engine
+        if engine is None or engine.closed or not self._owns(trainer):
+            return
+        self._backward_seen = True
+        if self._in_step & self._checked:
+            return  # a closure optimizer (LBFGS) re-evaluating a step that was already checked
+        if isinstance(loss, torch.Tensor) and loss.numel() > 0:
+            loss = loss.detach()
+            engine.observe_loss(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        engine = self.engine
+        if engine is None or engine.closed or not self._owns(trainer):
+            return
+        i = self._index_of(optimizer)
+        if i is None:
+            return
+        if i in self._in_step and i in self._checked:
+            return  # LBFGS calls the closure, and with it this hook, several times per step
+        if i in self._checked:
+            self._finish(i)  # the previous step of this optimizer never ran (an AMP scaler skipped it)
+        self._checked.add(i)
+        if self._automatic and not self._backward_seen:
+            return  # training_step returned None: Lightning skips backward and the step updates nothing
+        self._backward_seen = False
+        decision = engine.check_step(i, step=int(trainer.global_step), due=engine.should_check(i))
+        if decision == "skip":
+            engine.suppress_update(i)
+
+    def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._in_step.add(index)
+
+    def _after_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._in_step.discard(index)
+        if index in self._checked:
+            self._finish(index)
+        elif self.engine is not None:
+            self.engine.step_done(index)
+
+    def _finish(self, index: int) -> None:
+        self._checked.discard(index)
+        self._backward_seen = False
+        engine = self.engine
+        if engine is None:
+            return
+        engine.restore_grads()
+        engine.step_done(index)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.engine is None or not self._owns(trainer):
+            return
+        # Steps whose optimizer.step() never ran (AMP scaler overflow): put gradients back, count them.
+        for i in sorted(self._checked - self._in_step):
+            self._finish(i)
+
+    def _index_of(self, optimizer: Any) -> int | None:
+        i = self._optimizer_ids.get(id(optimizer))
+        if i is None:
+            inner = _unwrap(optimizer)
+            i = self._optimizer_ids.get(id(inner)) if inner is not None else None
+        return i
+
+    # -- end ---------------------------------------------------------------------------------------
+    def on_exception(self, trainer: Any, pl_module: Any = None, exception: BaseException | None = None) -> None:
+        if not isinstance(self, GradWatchCallback):
+            return  # the class itself was passed to the Trainer; setup() already said so
+        if not self._owns(trainer):
+            return
+        engine = self.engine
+        if engine is not None and isinstance(exception, Exception) and not engine.closed:
+            engine.explain_exception(exception, step=int(trainer.global_step))
+        self._shutdown()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self._owns(trainer):
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Remove hooks, put gradients back, close reports, restore anomaly mode. Idempotent."""
+        self._remove_hooks()
+        engine = self.engine
+        if engine is not None and not engine.closed:
+            try:
+                engine.restore_grads()
+                engine.close()
+            except Exception as exc:  # noqa: BLE001
+                internal_warning("GradWatchCallback.close", exc)
+        if self._anomaly is not None:
+            enabled, check_nan = self._anomaly
+            if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != (enabled, check_nan):
+                torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
+            self._anomaly = None
+        self._in_step.clear()
+        self._checked.clear()
+        self._trainer = None
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _owns(self, trainer: Any) -> bool:
+        return self._trainer is not None and self._trainer() is trainer
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, recent history and findings, saved in Lightning checkpoints."""
+        if self.engine is not None:
+            return self.engine.state_dict()
+        return dict(self._pending_state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a checkpoint; applied when the engine is built if ``fit`` has not started it yet."""
+        if self.engine is not None and not self.engine.closed:
+            self.engine.load_state_dict(state_dict)
+        else:
+            self._pending_state = dict(state_dict)
+
+
+class ClipRatio:
+    """Engine extension: logs ``gradwatch/clip_ratio``, the factor Lightning's norm clipping applies.
+
+    Reads the step's pre-clip total norm (already synced with the step's statistics): no extra sync.
+    """
+
+    def __init__(self, clip_val: float) -> None:
+        self.clip_val = float(clip_val)
+        self._multi = False
+
+    def attach(self, engine: Engine) -> None:
+        self._multi = len(engine.optimizers) > 1
+
+    def after_sync(self, ctx: Any) -> None:
+        stats = ctx.stats
+        if not stats.names or not math.isfinite(stats.total_norm):
+            return
+        ratio = min(1.0, self.clip_val / (stats.total_norm + 1e-6))  # clip_grad_norm_'s own formula
+        suffix = f"_opt{stats.optimizer_index}" if self._multi else ""
+        stats.extra.setdefault("scalars", {})[f"gradwatch/clip_ratio{suffix}"] = ratio
+        stats.extra["clip_ratio"] = ratio
+
+
+def _require_instance(obj: Any) -> None:
+    # Trainer(callbacks=[GradWatchCallback]) calls the hooks on the class, with the Trainer as `self`.
+    if not isinstance(obj, GradWatchCallback):
+        raise TypeError(
+            "Trainer(callbacks=[...]) got the class GradWatchCallback instead of an instance; "
+            "pass GradWatchCallback(...), e.g. Trainer(callbacks=[GradWatchCallback(on_nonfinite='skip')])"
+        )
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer behind a LightningOptimizer (or the optimizer itself); None for Lightning's mock."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "_optimizer"):
+        inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or seen > 4:
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__name__ == "_MockOptimizer":
+        return None
+    return optimizer
+
+
+def _tensorboard_writer(trainer: Any) -> tuple[Any, str | None]:
+    """The SummaryWriter of the Trainer's TensorBoardLogger (either namespace), and its directory."""
+    logger_classes = tuple(
+        cls
+        for cls in (getattr(sys.modules.get(m), "TensorBoardLogger", None) for m in _LOGGER_MODULES)
+        if isinstance(cls, type)
+    )
+    if not logger_classes:
+        return None, None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer_classes: tuple[type, ...] = (SummaryWriter,)
+    tbx = sys.modules.get("tensorboardX")
+    if tbx is not None and isinstance(getattr(tbx, "SummaryWriter", None), type):
+        writer_classes += (tbx.SummaryWriter,)
+    for logger in getattr(trainer, "loggers", None) or []:
+        if isinstance(logger, logger_classes):
+            # Off rank zero `experiment` is a dummy whose every attribute exists: check the type.
+            experiment = logger.experiment
+            if isinstance(experiment, writer_classes):
+                return experiment, str(logger.log_dir)
+    return None, None
+
+
+def _scaler(trainer: Any) -> Any:
+    plugin = getattr(trainer, "precision_plugin", None)
+    return getattr(plugin, "scaler", None)
+
+
+def _norm_clip_value(trainer: Any, pl_module: Any) -> float | None:
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if not clip or clip <= 0:
+        return None
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    if algorithm is not None and str(getattr(algorithm, "value", algorithm)).lower() != "norm":
+        return None
+    for cls in type(pl_module).__mro__:
+        if "configure_gradient_clipping" in vars(cls) and not cls.__module__.startswith(_LIGHTNING_PACKAGES):
+            return None  # the module clips its own way; the ratio would be a guess
+    return float(clip)
+
+
+__all__ = ["GradWatchCallback", "ClipRatio", "INSTALL_HINT"]

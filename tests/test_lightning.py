@@ -1,0 +1,393 @@
+"""GradWatchCallback in real (tiny, CPU) Lightning runs, in both Lightning namespaces."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from conftest import lightning_namespace, manual_module, tiny_module, tiny_trainer
+
+lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
+
+import gradwatch  # noqa: E402
+from gradwatch.lightning import GradWatchCallback  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*The number of training batches.*",
+    "ignore:.*isinstance.*treespec.*",
+    "ignore:.*`training_step` returned `None`.*",
+    "ignore:.*resuming from a checkpoint that ended before the epoch ended.*",
+)
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+class Recorder:
+    """Records parameters and SGD momentum buffers at the start and end of every batch."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.momentum_before: dict[int, list[torch.Tensor]] = {}
+        self.momentum_after: dict[int, list[torch.Tensor]] = {}
+
+    def callback(self, ns: Any) -> Any:
+        rec = self
+
+        class _Recorder(ns.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                rec.before[trainer.global_step] = _params(pl_module)
+                rec.momentum_before[trainer.global_step] = rec._momentum(pl_module)
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+                step = trainer.global_step - 1
+                rec.after[step] = _params(pl_module)
+                rec.momentum_after[step] = rec._momentum(pl_module)
+
+        return _Recorder()
+
+    @staticmethod
+    def _momentum(pl_module: Any) -> list[torch.Tensor]:
+        opt = pl_module.opt
+        return [opt.state[p]["momentum_buffer"].clone() for p in pl_module.parameters() if p in opt.state]
+
+
+def _kinds(cb: GradWatchCallback) -> list[str]:
+    return [f.kind for f in cb.findings]
+
+
+# -- import and namespaces -------------------------------------------------------------------------
+def test_import_gradwatch_does_not_import_lightning() -> None:
+    code = (
+        "import sys, gradwatch\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_without_lightning_names_the_pip_command() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = None\n"
+        "sys.modules['pytorch_lightning'] = None\n"
+        "try:\n"
+        "    import gradwatch.lightning\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    sys.exit(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'pip install "gradwatch[lightning]"' in result.stdout
+
+
+def test_callback_is_a_callback_of_both_namespaces() -> None:
+    cb = GradWatchCallback(console=False)
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        ns = lightning_namespace(name)
+        assert isinstance(cb, ns.Callback), name
+
+
+def test_unknown_keyword_is_rejected_with_the_known_ones() -> None:
+    with pytest.raises(TypeError, match="unknown gradwatch option 'on_nan'.*known options: on_nonfinite"):
+        GradWatchCallback(on_nan="skip")
+
+
+def test_bad_policy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="on_nonfinite='ignore' is not one of 'warn', 'skip', 'raise'"):
+        GradWatchCallback(on_nonfinite="ignore")  # type: ignore[arg-type]
+
+
+# -- non-finite steps ------------------------------------------------------------------------------
+def test_nan_step_is_skipped_and_training_continues(pl_ns: Any, text_console: Any) -> None:
+    rec = Recorder()
+    cb = GradWatchCallback(on_nonfinite="skip", console=text_console)
+    model = tiny_module(pl_ns, nan_at=3)
+    trainer = tiny_trainer(pl_ns, [cb, rec.callback(pl_ns)], max_steps=6)
+    trainer.fit(model)
+
+    assert trainer.global_step == 6
+    for name, before in rec.before[3].items():
+        assert torch.equal(rec.after[3][name], before), name
+        assert torch.isfinite(rec.after[3][name]).all(), name
+    assert all(torch.equal(a, b) for a, b in zip(rec.momentum_after[3], rec.momentum_before[3]))
+    assert any(not torch.equal(rec.after[5][n], rec.before[5][n]) for n in rec.before[5])  # later steps train
+    assert {(f.kind, f.step) for f in cb.findings} == {("nonfinite_loss", 3), ("nonfinite_grad", 3)}
+    assert cb.engine is not None and cb.engine.steps_skipped == 1 and cb.engine.steps_checked == 6
+    assert "gradwatch skipped this update" in text_console.file.getvalue()
+
+
+def test_raise_policy_makes_fit_raise(pl_ns: Any) -> None:
+    cb = GradWatchCallback(on_nonfinite="raise", console=False)
+    trainer = tiny_trainer(pl_ns, [cb])
+    with pytest.raises(gradwatch.GradWatchError, match="stopped training at step 2") as info:
+        trainer.fit(tiny_module(pl_ns, nan_at=2))
+    assert {f.kind for f in info.value.findings} == {"nonfinite_loss", "nonfinite_grad"}
+    assert cb.engine is not None and cb.engine.closed
+
+
+def test_warn_policy_reports_and_applies_the_update(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(on_nonfinite="warn", console=False, max_skips=None)
+    model = tiny_module(lightning_pytorch, nan_at=1)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=2).fit(model)
+    assert not torch.isfinite(model.body.weight).all()
+    assert ("nonfinite_grad", 1) in {(f.kind, f.step) for f in cb.findings}
+    assert cb.engine is not None and cb.engine.steps_skipped == 0
+
+
+# -- healthy runs stay silent ----------------------------------------------------------------------
+def test_gradient_accumulation_raises_no_false_alarm(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=5, accumulate_grad_batches=4)
+    trainer.fit(tiny_module(lightning_pytorch))
+    assert cb.findings == []
+    assert cb.engine is not None
+    assert cb.engine.steps_checked == 5  # once per accumulation cycle, not per batch
+    assert cb.engine.step_counts == [5]
+
+
+def test_accumulated_loss_is_reported_unscaled(lightning_pytorch: Any) -> None:
+    losses: list[float] = []
+
+    class LossLog(lightning_pytorch.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)  # outputs hold loss / 4
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(lightning_pytorch, [cb, LossLog()], max_steps=1, accumulate_grad_batches=4).fit(
+        tiny_module(lightning_pytorch)
+    )
+    assert cb.engine is not None
+    assert cb.engine.history.losses[-1] == pytest.approx(sum(losses) / 4, rel=1e-5)
+
+
+def test_training_step_returning_none_is_not_a_missing_gradient(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=5)
+    trainer.fit(tiny_module(lightning_pytorch, none_at=2))
+    assert cb.findings == []
+    assert cb.engine is not None and cb.engine.steps_checked == 4 and cb.engine.step_counts == [5]
+
+
+def test_manual_optimization_with_two_optimizers(pl_ns: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(pl_ns, [cb], max_steps=8)
+    trainer.fit(manual_module(pl_ns))
+    assert cb.findings == []
+    assert cb.engine is not None
+    assert len(cb.engine.optimizers) == 2
+    assert cb.engine.step_counts == [4, 4]
+    assert cb.engine.steps_checked == 8
+
+
+def test_manual_optimization_skips_nan_for_both_optimizers(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(on_nonfinite="skip", console=False)
+    model = manual_module(lightning_pytorch, nan_at=1)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Snap(lightning_pytorch.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            snapshots[batch_idx] = _params(pl_module)
+
+    tiny_trainer(lightning_pytorch, [cb, Snap()], max_steps=8).fit(model)  # 4 batches, 2 steps each
+    assert all(torch.equal(snapshots[1][n], snapshots[2][n]) for n in snapshots[1])  # batch 1 changed nothing
+    assert not torch.equal(snapshots[2]["head.weight"], snapshots[3]["head.weight"])  # batch 2 trained
+    nonfinite = [(f.step, f.data["optimizer"]) for f in cb.findings if f.kind == "nonfinite_grad"]
+    assert nonfinite == [(2, 0), (3, 1)]  # global_step counts both optimizers' steps
+    assert cb.engine is not None and cb.engine.steps_skipped == 2
+
+
+def test_every_keeps_a_cadence_per_optimizer(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False, every=2)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=8).fit(manual_module(lightning_pytorch))
+    assert cb.engine is not None
+    assert cb.engine.steps_checked == 4  # steps 0 and 2 of each optimizer
+    assert sorted(cb.engine.history.last) == [0, 1]
+
+
+# -- what gets named -------------------------------------------------------------------------------
+def test_unused_submodule_is_named(lightning_pytorch: Any, text_console: Any) -> None:
+    cb = GradWatchCallback(console=text_console)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=3).fit(tiny_module(lightning_pytorch, unused=True))
+    none_grad = [f for f in cb.findings if f.kind == "none_grad"]
+    assert len(none_grad) == 1
+    assert none_grad[0].step == 0
+    assert none_grad[0].params == ("aux_head.weight", "aux_head.bias")
+    assert none_grad[0].module == "aux_head"
+    assert "aux_head.weight, aux_head.bias" in text_console.file.getvalue()
+
+
+# -- logging ---------------------------------------------------------------------------------------
+def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_logger_receives_the_tags(pl_ns: Any) -> None:
+    logger_cls = pl_ns.loggers.TensorBoardLogger
+    cb = GradWatchCallback(console=False)
+    logger = None
+
+    def run(tmp: str) -> str:
+        nonlocal logger
+        logger = logger_cls(save_dir=tmp, name="run")
+        tiny_trainer(pl_ns, [cb], max_steps=5, logger=logger).fit(tiny_module(pl_ns, nan_at=2, unused=True))
+        return str(logger.log_dir)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = run(tmp)
+        assert cb.engine is not None and cb.engine.log_dir == log_dir
+        assert len(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))) == 1  # the logger's run, no second
+        scalars = _scalars(log_dir)
+        assert [s for s, _ in scalars["gradwatch/grad_norm/total"]] == [0, 1, 3, 4]  # step 2 is non-finite
+        for tag in ("gradwatch/grad_norm/body", "gradwatch/grad_norm/head", "gradwatch/loss"):
+            assert tag in scalars, sorted(scalars)
+        assert scalars["gradwatch/skipped_steps"][-1] == (4, 1.0)
+        assert scalars["gradwatch/findings/none_grad"][0] == (0, 1.0)
+        with open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8") as fh:
+            kinds = {json.loads(line)["kind"] for line in fh}
+        assert kinds == {"none_grad", "nonfinite_loss", "nonfinite_grad"}
+
+
+def test_clip_ratio_is_logged_from_pre_clip_norms_into_log_dir(lightning_pytorch: Any, tmp_path: Any) -> None:
+    csv = lightning_pytorch.loggers.CSVLogger(save_dir=str(tmp_path / "csv"))
+    cb = GradWatchCallback(console=False, log_dir=tmp_path / "gw")
+    trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=4, gradient_clip_val=0.05, logger=csv)
+    trainer.fit(tiny_module(lightning_pytorch))
+    scalars = _scalars(str(tmp_path / "gw"))
+    norms = dict(scalars["gradwatch/grad_norm/total"])
+    ratios = dict(scalars["gradwatch/clip_ratio"])
+    assert sorted(ratios) == [0, 1, 2, 3]
+    for step, ratio in ratios.items():
+        assert norms[step] > 0.05  # the pre-clip norm, not the clipped one
+        assert ratio == pytest.approx(min(1.0, 0.05 / norms[step]), rel=1e-4)
+
+
+def test_logger_false_writes_no_files(lightning_pytorch: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=2, default_root_dir=str(tmp_path)).fit(
+        tiny_module(lightning_pytorch, unused=True)
+    )
+    assert [f.kind for f in cb.findings] == ["none_grad"]
+    assert cb.engine is not None and cb.engine.log_dir is None
+    assert os.listdir(tmp_path) == []
+
+
+# -- console and progress bars ---------------------------------------------------------------------
+@pytest.mark.parametrize("bar", ["RichProgressBar", "TQDMProgressBar"])
+def test_findings_print_with_a_progress_bar(lightning_pytorch: Any, bar: str, capsys: Any) -> None:
+    cb = GradWatchCallback(on_nonfinite="skip")  # rich's global console, as users get it
+    progress = getattr(lightning_pytorch.callbacks, bar)()
+    trainer = tiny_trainer(lightning_pytorch, [cb, progress], max_steps=4, enable_progress_bar=True)
+    trainer.fit(tiny_module(lightning_pytorch, nan_at=1))
+    out = capsys.readouterr().out
+    assert trainer.global_step == 4
+    assert "nonfinite_grad at step 1" in out
+    assert "gradwatch skipped this update" in out
+
+
+# -- exceptions and teardown -----------------------------------------------------------------------
+def test_hooks_are_removed_after_fit(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    model = tiny_module(lightning_pytorch)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=2).fit(model)
+    assert model.opt is not None
+    assert len(model.opt._optimizer_step_pre_hooks) == 0 and len(model.opt._optimizer_step_post_hooks) == 0
+    assert cb.engine is not None and cb.engine.closed
+
+
+def test_exception_in_training_closes_and_removes_hooks(lightning_pytorch: Any) -> None:
+    anomaly = torch.is_anomaly_enabled()
+    cb = GradWatchCallback(console=False)
+    model = tiny_module(lightning_pytorch, raise_at=2)
+    with pytest.raises(ValueError, match="broken batch"):
+        tiny_trainer(lightning_pytorch, [cb], max_steps=4).fit(model)
+    assert cb.engine is not None and cb.engine.closed
+    assert model.opt is not None
+    assert len(model.opt._optimizer_step_pre_hooks) == 0 and len(model.opt._optimizer_step_post_hooks) == 0
+    assert torch.is_anomaly_enabled() == anomaly
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def test_resume_from_checkpoint_keeps_counters(lightning_pytorch: Any, tmp_path: Any) -> None:
+    first = GradWatchCallback(console=False)
+    trainer = tiny_trainer(lightning_pytorch, [first], max_steps=4)
+    trainer.fit(tiny_module(lightning_pytorch, nan_at=2))
+    ckpt = str(tmp_path / "run.ckpt")
+    trainer.save_checkpoint(ckpt)
+
+    second = GradWatchCallback(console=False)
+    resumed = tiny_trainer(lightning_pytorch, [second], max_steps=7)
+    resumed.fit(tiny_module(lightning_pytorch), ckpt_path=ckpt)
+    assert second.engine is not None
+    assert second.engine.step_counts == [7]
+    assert second.engine.steps_checked == 7
+    assert second.engine.steps_skipped == 1
+    assert [(f.kind, f.step) for f in second.findings] == [("nonfinite_loss", 2), ("nonfinite_grad", 2)]
+
+
+def test_state_dict_round_trips_before_fit() -> None:
+    cb = GradWatchCallback(console=False)
+    state = {"steps_checked": 3, "steps_skipped": 1, "step_counts": [3]}
+    cb.load_state_dict(state)
+    assert cb.state_dict() == state
+    assert cb.state_key == "GradWatchCallback"
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_class_instead_of_instance_gets_a_clear_error(lightning_pytorch: Any) -> None:
+    trainer = tiny_trainer(lightning_pytorch, [GradWatchCallback])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"got the class GradWatchCallback instead of an instance"):
+        trainer.fit(tiny_module(lightning_pytorch))
+
+
+def test_one_callback_in_two_running_trainers_is_an_error(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    inner_trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=1)
+    inner_error: list[BaseException] = []
+
+    class NestedFit(lightning_pytorch.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            try:
+                inner_trainer.fit(tiny_module(lightning_pytorch))
+            except RuntimeError as e:
+                inner_error.append(e)
+
+    outer = tiny_trainer(lightning_pytorch, [cb, NestedFit()], max_steps=3)
+    outer.fit(tiny_module(lightning_pytorch))
+    assert len(inner_error) == 1
+    assert "already attached to another Trainer" in str(inner_error[0])
+    assert cb.engine is not None and cb.engine.steps_checked == 3  # the first run was not disturbed
+
+
+def test_model_without_trainable_parameters_warns_once(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    model = tiny_module(lightning_pytorch, frozen=True, none_at=None)
+    model.training_step = lambda batch, batch_idx: None  # nothing to backpropagate
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(lightning_pytorch, [cb], max_steps=2).fit(model)
+    ours = [w for w in caught if "gradwatch" in str(w.message)]
+    assert len(ours) == 1
+    assert "has no trainable parameters" in str(ours[0].message)
+    assert cb.engine is None and cb.findings == []
