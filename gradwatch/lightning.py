@@ -7,6 +7,9 @@ Where it hooks in:
 
 - ``on_fit_start``: the engine is built from ``trainer.optimizers`` (the real torch optimizers) and the
   LightningModule, writing into the Trainer's ``TensorBoardLogger`` when there is one.
+- ``on_train_batch_start``: extensions that define ``lightning_batch_start(trainer, pl_module, batch,
+  batch_idx)`` get the batch (for replaying an incident) and may switch anomaly mode on here, the only
+  place where the Trainer does not override it.
 - ``on_before_backward``: the training loss is observed (no sync; read with the step's statistics).
 - ``on_before_optimizer_step``: the checks run here, after the closure and AMP unscaling and before
   Lightning's gradient clipping, once per accumulation cycle, in automatic and manual optimization.
@@ -195,8 +198,11 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
         engine = Engine(pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir)
         self.engine = engine
-        for ext in default_extensions(engine, scaler=_scaler(trainer), integration="lightning"):
-            engine.add_extension(ext)
+        try:
+            for ext in default_extensions(engine, scaler=_scaler(trainer), integration="lightning"):
+                engine.add_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - the core checks still run without the extensions
+            internal_warning("GradWatchCallback: default_extensions", exc)
         clip = _norm_clip_value(trainer, pl_module)
         if clip is not None:
             engine.add_extension(ClipRatio(clip))
@@ -215,6 +221,21 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             self._handles.append(opt.register_step_post_hook(functools.partial(self._after_step, i)))
 
     # -- the step ----------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = self.engine
+        if engine is None or engine.closed or not self._owns(trainer):
+            return
+        # Lightning-side extension point: extensions that need the batch (replay) or must switch anomaly
+        # mode (the Trainer overrides it when set any earlier) define lightning_batch_start().
+        for ext in engine.extensions:
+            fn = getattr(ext, "lightning_batch_start", None)
+            if fn is None:
+                continue
+            try:
+                fn(trainer, pl_module, batch, batch_idx)
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"{type(ext).__name__}.lightning_batch_start", exc)
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         engine = self.engine
         if engine is None or engine.closed or not self._owns(trainer):

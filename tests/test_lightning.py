@@ -126,7 +126,8 @@ def test_nan_step_is_skipped_and_training_continues(pl_ns: Any, text_console: An
         assert torch.isfinite(rec.after[3][name]).all(), name
     assert all(torch.equal(a, b) for a, b in zip(rec.momentum_after[3], rec.momentum_before[3]))
     assert any(not torch.equal(rec.after[5][n], rec.before[5][n]) for n in rec.before[5])  # later steps train
-    assert {(f.kind, f.step) for f in cb.findings} == {("nonfinite_loss", 3), ("nonfinite_grad", 3)}
+    assert {("nonfinite_loss", 3), ("nonfinite_grad", 3)} <= {(f.kind, f.step) for f in cb.findings}
+    assert {f.step for f in cb.findings} == {3}
     assert cb.engine is not None and cb.engine.steps_skipped == 1 and cb.engine.steps_checked == 6
     assert "gradwatch skipped this update" in text_console.file.getvalue()
 
@@ -136,7 +137,7 @@ def test_raise_policy_makes_fit_raise(pl_ns: Any) -> None:
     trainer = tiny_trainer(pl_ns, [cb])
     with pytest.raises(gradwatch.GradWatchError, match="stopped training at step 2") as info:
         trainer.fit(tiny_module(pl_ns, nan_at=2))
-    assert {f.kind for f in info.value.findings} == {"nonfinite_loss", "nonfinite_grad"}
+    assert {"nonfinite_loss", "nonfinite_grad"} <= {f.kind for f in info.value.findings}
     assert cb.engine is not None and cb.engine.closed
 
 
@@ -265,7 +266,7 @@ def test_tensorboard_logger_receives_the_tags(pl_ns: Any) -> None:
         assert scalars["gradwatch/findings/none_grad"][0] == (0, 1.0)
         with open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8") as fh:
             kinds = {json.loads(line)["kind"] for line in fh}
-        assert kinds == {"none_grad", "nonfinite_loss", "nonfinite_grad"}
+        assert {"none_grad", "nonfinite_loss", "nonfinite_grad"} <= kinds
 
 
 def test_clip_ratio_is_logged_from_pre_clip_norms_into_log_dir(lightning_pytorch: Any, tmp_path: Any) -> None:
@@ -343,7 +344,8 @@ def test_resume_from_checkpoint_keeps_counters(lightning_pytorch: Any, tmp_path:
     assert second.engine.step_counts == [7]
     assert second.engine.steps_checked == 7
     assert second.engine.steps_skipped == 1
-    assert [(f.kind, f.step) for f in second.findings] == [("nonfinite_loss", 2), ("nonfinite_grad", 2)]
+    assert {("nonfinite_loss", 2), ("nonfinite_grad", 2)} <= {(f.kind, f.step) for f in second.findings}
+    assert {f.step for f in second.findings} == {2}  # restored from the first run, nothing new
 
 
 def test_state_dict_round_trips_before_fit() -> None:
