@@ -69,6 +69,8 @@ class Config:
     rate_limit: int = 3
 
     def __post_init__(self) -> None:
+        if isinstance(self.log_dir, os.PathLike):
+            object.__setattr__(self, "log_dir", os.fspath(self.log_dir))
         _validate(self)
 
     def replace(self, **changes: Any) -> Config:
@@ -100,6 +102,8 @@ def _validate(c: Config) -> None:
         raise ValueError(f"on_nonfinite={c.on_nonfinite!r} is not one of {', '.join(map(repr, ON_NONFINITE))}")
     if c.log_dir is not None and not isinstance(c.log_dir, str):
         raise TypeError(f"log_dir={c.log_dir!r} must be a path (str or os.PathLike) or None")
+    if c.log_dir is not None and not c.log_dir.strip():
+        raise ValueError(f"log_dir={c.log_dir!r} is empty; pass a directory, or None to write no logs")
     if not isinstance(c.console, bool):
         try:
             from rich.console import Console as _Console

@@ -10,6 +10,7 @@ small protocol of optional methods, see :class:`Extension`.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class Engine:
         self.started = time.time()
         self.log_dir: str | None = None
         self.reporters = Reporters([])
+        self._unwritable: set[str] = set()
         self._build_reporters(tb_writer, tb_log_dir)
         self._hooks: list[Any] = []
         if model is not None:
@@ -158,6 +160,9 @@ class Engine:
 
         from gradwatch.report import GradWatchInternalWarning
 
+        if where in self._unwritable:
+            return  # TensorBoard and gradwatch.jsonl share the directory: one warning is enough
+        self._unwritable.add(where)
         warnings.warn(
             f"gradwatch: cannot write logs to {where!r} ({type(exc).__name__}: {exc}); training continues "
             "with console reporting only. Pass a writable log_dir to get TensorBoard and gradwatch.jsonl.",
@@ -169,7 +174,19 @@ class Engine:
         self.extensions.append(ext)
         attach = getattr(ext, "attach", None)
         if attach is not None:
-            attach(self)
+            try:
+                attach(self)
+            except GradWatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an extension that cannot attach is left out
+                self.extensions.remove(ext)
+                internal_warning(f"{type(ext).__name__}.attach", exc, owner=self, key=type(ext).__name__)
+                close = getattr(ext, "close", None)
+                if close is not None:
+                    try:
+                        close()  # remove whatever it attached before failing
+                    except Exception:  # noqa: BLE001
+                        pass
         return ext
 
     def extension(self, cls: type) -> Any:
@@ -204,9 +221,15 @@ class Engine:
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Remember a loss of the current step (no sync: read with the step's statistics)."""
         if isinstance(loss, torch.Tensor):
+            if loss.numel() == 0 or loss.is_meta:
+                return  # no value to read: an empty batch, or a model on the meta device
             self._losses.append(loss.detach())
-        else:
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
             self._losses.append(torch.tensor(float(loss)))
+        else:
+            raise TypeError(
+                f"observe_loss() takes the loss as a tensor or a number, got {type(loss).__name__}: {loss!r:.80}"
+            )
 
     def should_check(self, opt_index: int, step: int | None = None) -> bool:
         s = self.step_counts[opt_index] if step is None else step
@@ -236,7 +259,7 @@ class Engine:
         except GradWatchError:
             raise
         except Exception as exc:  # noqa: BLE001 - never make training worse
-            internal_warning("check_step", exc)
+            internal_warning("check_step", exc, owner=self)
             self._losses.clear()
             return "ok"
         if stats is None:
@@ -335,13 +358,13 @@ class Engine:
             try:
                 findings.extend(fn(stats, self.history, self.config))
             except Exception as exc:  # noqa: BLE001
-                internal_warning(f"check {name}", exc)
+                internal_warning(f"check {name}", exc, owner=self)
         for name, _fn, remember in self._check_modules:
             if remember is not None:
                 try:
                     remember(stats, self.history)
                 except Exception as exc:  # noqa: BLE001
-                    internal_warning(f"check {name}.remember", exc)
+                    internal_warning(f"check {name}.remember", exc, owner=self, key=f"check {name}")
         return findings
 
     def _incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
@@ -355,7 +378,7 @@ class Engine:
             except GradWatchError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                internal_warning(f"{type(ext).__name__}.on_incident", exc)
+                internal_warning(f"{type(ext).__name__}.on_incident", exc, owner=self, key=type(ext).__name__)
         return extra
 
     def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
@@ -404,7 +427,7 @@ class Engine:
                 self.add_finding(f)
             self.reporters.call("scalars", stats.step, self._scalars(stats))
         except Exception as exc:  # noqa: BLE001
-            internal_warning("report", exc)
+            internal_warning("report", exc, owner=self)
 
     def add_finding(self, f: Finding) -> None:
         """Record and report a finding (also used by extensions and the integrations)."""
@@ -495,7 +518,7 @@ class Engine:
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
         except Exception as e:  # noqa: BLE001
-            internal_warning("explain_exception", e)
+            internal_warning("explain_exception", e, owner=self)
             return None
         if finding is not None:
             self.add_finding(finding)
@@ -528,7 +551,7 @@ class Engine:
                 self._call("after_sync", ctx)
                 self._record(stats, self._run_checks(stats), skipped=False)
             except Exception as exc:  # noqa: BLE001
-                internal_warning("close (deferred step)", exc)
+                internal_warning("close (deferred step)", exc, owner=self)
         self._closed = True
         for h in self._hooks:
             h.remove()
@@ -538,7 +561,7 @@ class Engine:
         try:
             summary = self.summary()
         except Exception as exc:  # noqa: BLE001
-            internal_warning("summary", exc)
+            internal_warning("summary", exc, owner=self)
         self.reporters.call("close", summary)
 
     @property
@@ -555,7 +578,7 @@ class Engine:
             except GradWatchError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                internal_warning(f"{type(ext).__name__}.{method}", exc)
+                internal_warning(f"{type(ext).__name__}.{method}", exc, owner=self, key=type(ext).__name__)
 
     def state_dict(self) -> dict[str, Any]:
         return {

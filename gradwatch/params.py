@@ -88,7 +88,8 @@ class ParamIndex:
                 params.append(p)
                 name = self.param_name.get(id(p))
                 if name is None:
-                    name = f"<optimizer {index} group {gi} param {pi} {tuple(p.shape)}>"
+                    shape = "uninitialized" if nn.parameter.is_lazy(p) else tuple(p.shape)
+                    name = f"<optimizer {index} group {gi} param {pi} {shape}>"
                     if self.model is not None:
                         foreign.append(name)
                     modules.append(None)

@@ -227,6 +227,11 @@ def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     if isinstance(optimizer, (list, tuple, types.GeneratorType)):
         opts = list(optimizer)
         bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+        if bad and all(isinstance(o, torch.Tensor) for o in opts):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {len(opts)} tensors (model.parameters()?); "
+                "pass the optimizer built from them: watch(model, optimizer)"
+            )
         if bad or not opts:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or a non-empty list of them, got {[type(o).__name__ for o in opts]}"

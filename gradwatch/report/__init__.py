@@ -7,7 +7,9 @@ reporter (a full disk, a closed stdout, a broken writer) is reported once as a
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from typing import Any, Protocol
 
 from gradwatch.findings import Finding
@@ -18,13 +20,32 @@ class GradWatchInternalWarning(RuntimeWarning):
 
 
 _warned: set[str] = set()
+_warned_by_owner: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_warned_lock = threading.Lock()
 
 
-def internal_warning(where: str, exc: BaseException) -> None:
-    """Warn once per place that gradwatch's own code failed."""
-    if where in _warned:
-        return
-    _warned.add(where)
+def internal_warning(where: str, exc: BaseException, *, owner: Any = None, key: str | None = None) -> None:
+    """Warn once per place that gradwatch's own code failed.
+
+    Args:
+        where: What failed, named in the message (e.g. ``"ConsoleReporter.finding"``).
+        exc: The exception caught.
+        owner: Whose failures these are (an engine, a reporter). Each owner reports each place once, so a
+            new run in the same process reports its own failures again. ``None``: once per process.
+        key: The place; defaults to ``where``. A reporter's methods share one key (its class name), so a
+            broken disk or stream is reported once, not once per method.
+    """
+    place = where if key is None else key
+    with _warned_lock:
+        seen = _warned
+        if owner is not None:
+            try:
+                seen = _warned_by_owner.setdefault(owner, set())
+            except TypeError:  # not weak-referenceable: fall back to once per process
+                place = f"{type(owner).__name__}:{place}"
+        if place in seen:
+            return
+        seen.add(place)
     warnings.warn(
         f"gradwatch: internal error in {where}: {type(exc).__name__}: {exc}. Training continues; this part "
         "of gradwatch is skipped when it fails (reported once).",
@@ -60,7 +81,7 @@ class Reporters:
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - a reporter must never stop training
-                internal_warning(f"{type(r).__name__}.{method}", exc)
+                internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
 
     def of_type(self, cls: type) -> Any:
         return next((r for r in self.items if isinstance(r, cls)), None)

@@ -20,21 +20,51 @@ class JsonlReporter:
     def __init__(self, log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, FILENAME)
-        self._file: Any = open(self.path, "a", encoding="utf-8")
+        self._file: Any = self._open()
+
+    def _open(self) -> Any:
+        torn = False
+        try:
+            with open(self.path, "rb") as r:
+                if r.seek(0, os.SEEK_END) > 0:
+                    r.seek(-1, os.SEEK_END)
+                    torn = r.read(1) != b"\n"
+        except OSError:
+            pass  # a new file, or a device that cannot seek: nothing to repair
+        f = open(self.path, "a", encoding="utf-8")
+        if torn:  # an interrupted write left half a line: start ours on a line of its own
+            f.write("\n")
+        return f
 
     def finding(self, finding: Finding) -> None:
         self.write(finding.to_dict())
 
     def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, allow_nan=False) + "\n"
+        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+            self._drop_file()  # log_dir removed during the run: write to a new file, not a deleted one
         if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._file = self._open()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except Exception:
+            self._drop_file()  # a failed flush leaves a torn buffer: the next finding starts a clean line
+            raise
+
+    def _drop_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - the buffer could not be flushed (full disk): nothing to keep
+                pass
 
     def close(self, summary: Any = None) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
 
 
 def read_jsonl(path: str) -> Iterator[dict[str, Any]]:

@@ -8,8 +8,10 @@ scalars (they would break charts); the number of non-finite gradients is logged 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
+import warnings
 from typing import Any, Callable
 
 from gradwatch.findings import Finding
@@ -63,8 +65,10 @@ class TensorBoardReporter:
         done = threading.Event()
 
         def _flush(w: Any) -> None:
-            w.flush()
-            done.set()
+            try:
+                w.flush()
+            finally:  # a broken writer must not keep the training thread waiting
+                done.set()
 
         self._queue.put(_flush)
         done.wait(timeout)
@@ -77,11 +81,12 @@ class TensorBoardReporter:
         self._thread.join(timeout=30)
         try:
             if self._owns_writer:
+                self._ensure_log_dir()
                 self.writer.close()
             else:
                 self.writer.flush()
         except Exception as exc:  # noqa: BLE001
-            internal_warning("TensorBoardReporter.close", exc)
+            internal_warning("TensorBoardReporter.close", exc, owner=self, key="TensorBoardReporter")
 
     # -- writer thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -90,12 +95,36 @@ class TensorBoardReporter:
             if item is _STOP:
                 return
             try:
+                if self._owns_writer:
+                    self._ensure_log_dir()
                 if callable(item):
                     item(self.writer)
                 else:
                     self._write_scalars(*item)
             except Exception as exc:  # noqa: BLE001 - the writer thread must survive a full disk
-                internal_warning("TensorBoardReporter (writer thread)", exc)
+                try:
+                    where = "TensorBoardReporter (writer thread)"
+                    internal_warning(where, exc, owner=self, key="TensorBoardReporter")
+                except Exception:  # noqa: BLE001 - warnings turned into errors must not kill the thread
+                    pass
+
+    def _ensure_log_dir(self) -> None:
+        # TensorBoard appends to its event file by path: a log_dir removed during the run would kill its
+        # writer thread (with a traceback on stderr). One stat per event, on this thread, avoids that.
+        if os.path.isdir(self.log_dir):
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        if not getattr(self, "_recreated", False):
+            self._recreated = True
+            from gradwatch.report import GradWatchInternalWarning
+
+            warnings.warn(
+                f"gradwatch: log_dir {self.log_dir!r} was removed during the run; recreated it. TensorBoard "
+                "events and gradwatch.jsonl lines written before are lost; findings are still in memory "
+                "(watcher.findings).",
+                GradWatchInternalWarning,
+                stacklevel=2,
+            )
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}

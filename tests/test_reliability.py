@@ -1,0 +1,434 @@
+"""gradwatch never hurts the run: its own failures are isolated, and attaching/closing leaves no trace.
+
+Faults are injected into gradwatch's own parts (its reporters, checks, log files and streams), never by
+mocking torch. Each test checks that training finishes with the parameters an unwatched run would have,
+that the findings are still in memory, and that each broken part is reported once.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import shutil
+import sys
+import warnings
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+from gradwatch import GradWatchInternalWarning
+from gradwatch.report.jsonl import FILENAME, read_jsonl
+from gradwatch.report.tensorboard import TensorBoardReporter
+
+STEPS = 6
+NAN_AT = 3
+
+
+class Net(nn.Module):
+    """Two layers in use and one that forward never uses (a ``none_grad`` finding at step 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def make(seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batches(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 4, generator=g) for _ in range(STEPS)]
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    gw: Any = None,
+    *,
+    nan_at: int | None = NAN_AT,
+    between: Callable[[int], None] | None = None,
+) -> None:
+    """The training loop. Without a watcher the NaN step is not applied (what "skip" must reproduce)."""
+    for step, x in enumerate(batches()):
+        loss = model(x).pow(2).mean()
+        if step == nan_at:
+            loss = loss * float("nan")
+        if gw is not None:
+            gw.observe_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        if gw is not None or step != nan_at:
+            opt.step()
+        if between is not None:
+            between(step)
+
+
+def reference_params(nan_at: int | None = NAN_AT) -> list[torch.Tensor]:
+    model, opt = make()
+    train(model, opt, nan_at=nan_at)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same_params(model: nn.Module, expected: list[torch.Tensor]) -> None:
+    for (name, p), q in zip(model.named_parameters(), expected):
+        assert torch.equal(p, q), f"{name} differs from the unwatched run"
+
+
+def kinds(gw: Any) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in gw.findings]
+
+
+#: The findings gradwatch must keep in memory whatever breaks (other kinds, e.g. from escalation, may
+#: come along; :func:`healthy_kinds` gives the full list of a run where nothing of gradwatch is broken).
+EXPECTED = [("none_grad", 0), ("nonfinite_loss", NAN_AT), ("nonfinite_grad", NAN_AT)]
+_HEALTHY: list[tuple[str, int]] = []
+
+
+def healthy_kinds() -> list[tuple[str, int]]:
+    """The findings of the same run with every part of gradwatch working."""
+    if not _HEALTHY:
+        model, opt = make()
+        with gradwatch.watch(model, opt, console=False) as gw:
+            train(model, opt, gw)
+        assert all(k in kinds(gw) for k in EXPECTED), kinds(gw)
+        _HEALTHY.extend(kinds(gw))
+    return list(_HEALTHY)
+
+
+def internal_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, GradWatchInternalWarning)]
+
+
+@pytest.fixture
+def record() -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def text_console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=120, color_system=None), buf
+
+
+class FullDiskFile(io.StringIO):
+    """A stream whose every write fails like a full disk."""
+
+    def write(self, s: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def closed_stream() -> io.StringIO:
+    s = io.StringIO()
+    s.close()
+    return s
+
+
+# -- fault isolation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [FullDiskFile, closed_stream], ids=["full-disk", "closed"])
+def test_broken_console_stream_is_reported_once_and_training_finishes(stream, record) -> None:
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=Console(file=stream(), width=120)) as gw:
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "ConsoleReporter" in messages[0], messages
+
+
+def test_closed_stdout_with_the_global_console_does_not_stop_training(monkeypatch, record) -> None:
+    monkeypatch.setattr(sys, "stdout", closed_stream())
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=True) as gw:
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    assert len(internal_warnings(record)) == 1
+
+
+def test_log_dir_that_cannot_be_created_warns_once_and_console_keeps_reporting(tmp_path, record) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    log_dir = blocker / "runs"
+    console, buf = text_console()
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=console, log_dir=str(log_dir)) as gw:
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    assert gw.log_dir is None
+    messages = internal_warnings(record)
+    assert len([m for m in messages if "cannot write logs" in m and str(log_dir) in m]) == 1, messages
+    assert all(str(log_dir) in m for m in messages), messages  # nothing else of gradwatch broke
+    assert f"nonfinite_grad at step {NAN_AT}" in buf.getvalue()
+
+
+def test_log_dir_removed_mid_run_is_recreated_with_one_warning(tmp_path, record, capfd) -> None:
+    log_dir = tmp_path / "run"
+    model, opt = make()
+    gw = gradwatch.watch(model, opt, console=False, log_dir=str(log_dir), tb_flush_every=1)
+    tb = gw.engine.reporters.of_type(TensorBoardReporter)
+
+    def remove_logs(step: int) -> None:
+        if step == 1:
+            tb.flush()  # nothing of steps 0-1 still on its way to the files
+            shutil.rmtree(log_dir)
+
+    train(model, opt, gw, between=remove_logs)
+    gw.close()
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "removed during the run" in messages[0], messages
+    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME))] == [
+        k for k in healthy_kinds() if k[1] > 1
+    ]
+    assert glob.glob(str(log_dir / "events.out.tfevents.*"))
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_full_disk_under_the_tensorboard_writer_is_reported_once(tmp_path, record) -> None:
+    log_dir = tmp_path / "run"
+    model, opt = make()
+    gw = gradwatch.watch(model, opt, console=False, log_dir=str(log_dir), tb_flush_every=1)
+    tb = gw.engine.reporters.of_type(TensorBoardReporter)
+
+    def fill_disk(step: int) -> None:
+        if step == 0:
+            tb.flush()
+            (events,) = glob.glob(str(log_dir / "events.out.tfevents.*"))
+            os.remove(events)
+            os.symlink("/dev/full", events)  # every later append fails with ENOSPC
+
+    train(model, opt, gw, between=fill_disk)
+    gw.close()
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "TensorBoardReporter" in messages[0], messages
+    # The rest of gradwatch keeps working: the JSON lines still get every finding.
+    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME))] == healthy_kinds()
+
+
+def test_full_disk_under_gradwatch_jsonl_is_reported_once(tmp_path, record) -> None:
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    os.symlink("/dev/full", log_dir / FILENAME)
+    console, buf = text_console()
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=console, log_dir=str(log_dir)) as gw:
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "JsonlReporter" in messages[0], messages
+    assert f"nonfinite_grad at step {NAN_AT}" in buf.getvalue()
+
+
+class ExplodingReporter:
+    def finding(self, finding: Any) -> None:
+        raise RuntimeError("reporter bug")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        raise RuntimeError("reporter bug")
+
+    def close(self, summary: Any) -> None:
+        raise RuntimeError("reporter bug")
+
+
+def test_reporter_that_raises_is_reported_once_and_the_others_keep_working(record) -> None:
+    console, buf = text_console()
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=console) as gw:
+        gw.engine.reporters.items.append(ExplodingReporter())
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "ExplodingReporter" in messages[0], messages
+    assert f"nonfinite_grad at step {NAN_AT}" in buf.getvalue()
+    assert "gradwatch summary" in buf.getvalue()
+
+
+def test_check_that_raises_is_reported_once_and_skip_still_protects_the_weights(record) -> None:
+    def broken_check(stats: Any, history: Any, config: Any) -> list[Any]:
+        raise ZeroDivisionError("check bug")
+
+    def broken_remember(stats: Any, history: Any) -> None:
+        raise KeyError("check bug")
+
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        gw.engine._check_modules.append(("broken", broken_check, broken_remember))
+        train(model, opt, gw)
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    messages = internal_warnings(record)
+    assert len(messages) == 1 and "check broken" in messages[0], messages
+
+
+def test_each_run_reports_its_own_internal_failures(record) -> None:
+    for _ in range(2):
+        model, opt = make()
+        with gradwatch.watch(model, opt, console=Console(file=closed_stream())) as gw:
+            train(model, opt, gw)
+    assert len(internal_warnings(record)) == 2
+
+
+# -- the user's exceptions ---------------------------------------------------------------------------
+
+
+def test_exception_in_the_training_loop_propagates_unchanged_and_closes_the_watcher() -> None:
+    model, opt = make()
+    error = ValueError("bad batch")
+
+    def user_code(step: int) -> None:
+        if step == 2:
+            raise error
+
+    with pytest.raises(ValueError) as info:
+        with gradwatch.watch(model, opt, console=False) as gw:
+            train(model, opt, gw, between=user_code)
+    assert info.value is error
+    assert gw.closed
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_exception_in_a_closure_propagates_from_optimizer_step() -> None:
+    model, _ = make()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+
+    def closure() -> torch.Tensor:
+        raise OSError("data loader died")
+
+    with gradwatch.watch(model, opt, console=False) as gw:
+        with pytest.raises(OSError, match="data loader died"):
+            opt.step(closure)
+    assert gw.findings == []
+
+
+# -- lifecycle ---------------------------------------------------------------------------------------
+
+
+def test_close_twice_and_exit_after_close_print_one_summary() -> None:
+    console, buf = text_console()
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=console) as gw:
+        train(model, opt, gw)
+        gw.close()
+        gw.close()
+    assert buf.getvalue().count("gradwatch summary") == 1
+
+
+def test_new_watcher_on_the_same_model_and_optimizer_after_close() -> None:
+    model, opt = make()
+    first = gradwatch.watch(model, opt, console=False)
+    train(model, opt, first, nan_at=None)
+    first.close()
+    before = list(first.findings)
+    with gradwatch.watch(model, opt, console=False) as second:
+        train(model, opt, second, nan_at=2)
+    assert first.findings == before
+    assert [(f.kind, f.step) for f in second.findings if f.kind in ("nonfinite_loss", "nonfinite_grad")] == [
+        ("nonfinite_loss", 2),
+        ("nonfinite_grad", 2),
+    ]
+
+
+def test_two_watchers_on_two_models_do_not_interfere() -> None:
+    model_a, opt_a = make(seed=0)
+    torch.manual_seed(1)
+    model_b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_b = torch.optim.Adam(model_b.parameters(), lr=0.01)
+    torch.manual_seed(1)
+    ref_b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref_opt_b = torch.optim.Adam(ref_b.parameters(), lr=0.01)
+    gw_a = gradwatch.watch(model_a, opt_a, console=False)
+    gw_b = gradwatch.watch(model_b, opt_b, console=False)
+    for step, x in enumerate(batches()):  # interleaved: a NaN in A's step must touch nothing of B's
+        loss_a = model_a(x).pow(2).mean() * (float("nan") if step == NAN_AT else 1.0)
+        gw_a.observe_loss(loss_a)
+        opt_a.zero_grad()
+        loss_a.backward()
+        for m, o, gw in ((model_b, opt_b, gw_b), (ref_b, ref_opt_b, None)):
+            loss_b = m(x).pow(2).mean()
+            if gw is not None:
+                gw.observe_loss(loss_b)
+            o.zero_grad()
+            loss_b.backward()
+            o.step()
+        opt_a.step()
+    gw_b.close()
+    gw_a.close()
+    assert kinds(gw_a) == healthy_kinds()
+    assert gw_b.findings == []
+    assert_same_params(model_a, reference_params())
+    assert_same_params(model_b, [p.detach().clone() for p in ref_b.parameters()])
+
+
+def hook_counts(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Every hook registry gradwatch could touch: optimizer, modules, parameters, and the global ones."""
+    from torch.nn.modules import module as mod
+
+    counts: dict[str, int] = {}
+    for attr in dir(opt):
+        if attr.startswith("_optimizer_") and attr.endswith("_hooks"):
+            counts[f"opt.{attr}"] = len(getattr(opt, attr))
+    for name, m in model.named_modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            counts[f"{name}.{attr}"] = len(getattr(m, attr))
+    for name, p in model.named_parameters():
+        counts[f"{name}._backward_hooks"] = len(p._backward_hooks or {})
+        counts[f"{name}._post_accumulate_grad_hooks"] = len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    for attr in dir(mod):
+        if attr.startswith("_global_") and attr.endswith("_hooks"):
+            counts[f"global.{attr}"] = len(getattr(mod, attr))
+    counts["anomaly_mode"] = int(torch.is_anomaly_enabled())
+    return counts
+
+
+def test_close_leaves_no_hook_behind() -> None:
+    model, opt = make()
+    before = hook_counts(model, opt)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw)  # a healthy run with a NaN incident exercises every path
+        during = hook_counts(model, opt)
+    assert during != before  # the comparison can see gradwatch's hooks
+    assert hook_counts(model, opt) == before
+
+
+def test_model_trains_as_if_never_watched_after_close() -> None:
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, nan_at=None)
+    train(model, opt, nan_at=None)
+    reference, ref_opt = make()
+    train(reference, ref_opt, nan_at=None)
+    train(reference, ref_opt, nan_at=None)
+    assert_same_params(model, [p.detach().clone() for p in reference.parameters()])
+
+
+def test_after_close_a_nan_update_is_applied_as_without_gradwatch() -> None:
+    model, opt = make()
+    with gradwatch.watch(model, opt, console=False):
+        pass
+    loss = model(batches()[0]).pow(2).mean() * float("nan")
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert torch.isnan(model.head.weight).all()
