@@ -13,4 +13,7 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker())
+    from gradwatch.escalation import Escalation
+
+    exts.append(Escalation(integration=integration))
     return exts

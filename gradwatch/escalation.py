@@ -1,0 +1,954 @@
+"""Escalation: name the op and module where a NaN/Inf was born, then watch closely for a few steps.
+
+The ladder, as an engine extension (:class:`Escalation`, attached by ``default_extensions``):
+
+1. Cheap mode, every step: the engine's fused checks. The only cost here is a forward pre-hook and a
+   forward hook on the root model that keep *references* to the step's inputs and to the gradient
+   arriving at the model's output (no copies, no per-module hooks, no anomaly mode).
+2. On a non-finite loss or gradient (``on_incident``, before the update, under every policy):
+   ``nonfinite_input`` when the captured batch itself holds NaN/Inf (the data is the cause, nothing
+   to localize in the model).
+3. Otherwise ``nan_origin``: the step is replayed on the captured batch (weights are still unchanged) with
+   anomaly mode and :class:`~gradwatch.localize.Localizer` on, and the finding names the op (e.g.
+   ``SqrtBackward0``), the module and the source line where the first non-finite value was born, with a
+   per-layer table of gradient norm and NaN/Inf counts. The replay leaves no trace: parameter ``.grad``
+   is untouched (``torch.autograd.grad``), module buffers (BatchNorm running statistics) and the RNG
+   state are restored.
+4. The next ``escalate_steps`` optimizer steps run escalated: anomaly mode on (forward tracebacks;
+   gradwatch checks NaN *and* Inf itself, so anomaly mode never stops the run) and the localizer recording
+   the real forward and backward. ``engine.escalated`` is True meanwhile.
+5. The policy acts (the engine). 6. An incident report goes to ``log_dir/incidents/step_<N>.md``/``.json``
+   (and ``.pt`` with ``save_batch=True``). 7. When the window ends, anomaly mode is put back as it was.
+
+``escalate=False`` turns all of it off: no hooks, no replay, no anomaly mode, no extra findings.
+
+Finding kinds:
+
+- ``nonfinite_input``: the inputs of the step hold NaN/Inf before the model ran (``data["inputs"]``:
+  which argument, NaN and Inf counts).
+- ``nan_origin``: where the first non-finite value of the step was born. ``data``: ``phase``
+  (``"forward"``, ``"backward"``, ``"loss"`` — born in the loss computation outside the model — or
+  ``"weights"`` — the parameters were already non-finite), ``op``, ``forward_op``, ``module``,
+  ``source`` (``file:line in function``), ``code``, ``incoming`` / ``outgoing`` magnitudes,
+  ``first_nonfinite_module`` and ``first_nonfinite_module_inputs``, ``table`` (per layer: gradient
+  norm, NaN count, Inf count), ``surrogate_grad`` (the replay used a gradient of ones because the real
+  one was not available), ``anomaly_error``, ``forward_traceback``, ``replayed``, ``report`` (the
+  incident report path). Not emitted when the replay cannot reproduce the non-finite value (the incident
+  report says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
+
+from gradwatch.findings import Finding, names_text
+from gradwatch.incidents import incident_paths, write_incident
+from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
+from gradwatch.report import internal_warning
+from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
+
+#: Forward calls of one step kept for replay (gradient accumulation runs several).
+MAX_CALLS = 8
+#: Incident reports written per run at most (a run that stays non-finite would write one per step).
+MAX_REPORTS = 20
+
+
+class _Call:
+    """One forward call of the watched model: references to its inputs and to its output gradients."""
+
+    __slots__ = ("args", "kwargs", "autocast", "grads", "__weakref__")
+
+    def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.autocast = autocast
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def set_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.grads[index] = grad
+
+
+class _Batch:
+    """A Lightning batch, replayed through ``training_step``."""
+
+    def __init__(self, batch: Any, batch_idx: int, trainer: Any, pl_module: Any) -> None:
+        self.batch = batch
+        self.batch_idx = batch_idx
+        self.trainer = trainer
+        self.pl_module = pl_module
+
+
+class Escalation:
+    """Engine extension: localize non-finite incidents and escalate for ``escalate_steps`` steps.
+
+    Args:
+        integration: ``"plain"`` (inputs captured by hooks on the root model) or ``"lightning"``
+            (the callback hands over each batch through :meth:`lightning_batch_start` and the step is
+            replayed through ``training_step``).
+
+    Attributes:
+        reports: Paths of the incident reports (``.md``) written so far.
+        localizations: ``(step, Localization)`` of each localized incident.
+
+    Example:
+        >>> import torch, gradwatch
+        >>> from gradwatch.escalation import Escalation
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        ...     loss = model(torch.zeros(4, 2)).sum() * float("nan")
+        ...     loss.backward(); opt.step()
+        >>> gw.engine.extension(Escalation).localizations[0][0]
+        0
+    """
+
+    def __init__(self, integration: str = "plain") -> None:
+        self.integration = integration
+        self.engine: Any = None
+        self.model: nn.Module | None = None
+        self.reports: list[str] = []
+        self.localizations: list[tuple[int, Localization]] = []
+        self._hooks: list[Any] = []
+        self._window_hooks: list[Any] = []
+        self._calls: list[_Call] = []
+        self._batch: _Batch | None = None
+        self._stale = False
+        self._replaying = False
+        self._window_left = 0
+        self._window_start: int | None = None
+        self._anomaly_prev: tuple[bool, bool] | None = None
+        self._live: Localizer | None = None
+        self._live_used = False
+        self._poison_reported = False
+
+    @property
+    def active(self) -> bool:
+        return self.engine is not None and bool(self.engine.config.escalate) and self.model is not None
+
+    @property
+    def escalated(self) -> bool:
+        """Whether the escalation window is open."""
+        return self._window_left > 0
+
+    # -- attach / cheap mode -----------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        engine.escalated = False
+        engine.replaying = False
+        self.model = engine.model if isinstance(engine.model, nn.Module) else None
+        if not engine.config.escalate or self.model is None or self.integration != "plain":
+            return
+        self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._on_forward_end, with_kwargs=True))
+
+    def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._replaying or not torch.is_grad_enabled():
+            return None
+        if self._stale:
+            self._new_step()
+        calls = self._calls
+        calls.append(_Call(args, kwargs, _autocast_state()))
+        if len(calls) > MAX_CALLS:
+            del calls[0]
+        if self._window_left > 0:
+            self._escalated_forward_start()
+        return None
+
+    def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._replaying or not self._calls or not torch.is_grad_enabled():
+            return None
+        call = self._calls[-1]
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad:
+                output.register_hook(functools.partial(call.set_grad, 0))
+            return None
+        for i, t in enumerate(tree_leaves(output)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(call.set_grad, i))
+        return None
+
+    def _new_step(self) -> None:
+        self._stale = False
+        self._calls.clear()
+        if self._live is not None:
+            self._live.reset()
+            self._live_used = False
+
+    def lightning_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Called by ``GradWatchCallback.on_train_batch_start``: keep a reference to the batch and, in an
+        escalation window, switch anomaly mode on (the Trainer overrides it when set any earlier)."""
+        if not self.active:
+            return
+        self._batch = _Batch(batch, batch_idx, trainer, pl_module)
+        self._stale = False
+        if self._window_left > 0:
+            self._anomaly_on()
+
+    def capture_batch(self, batch: Any, batch_idx: int, trainer: Any = None, pl_module: Any = None) -> None:
+        """Keep a reference to a Lightning batch for replay (``training_step(batch, batch_idx)``)."""
+        self._batch = _Batch(batch, batch_idx, trainer, pl_module if pl_module is not None else self.model)
+
+    # -- escalation window -------------------------------------------------------------------------
+    def _anomaly_on(self) -> None:
+        if self._anomaly_prev is None:
+            self._anomaly_prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        # check_nan=False: anomaly mode records forward tracebacks; gradwatch itself checks NaN and Inf,
+        # so a NaN never raises out of the user's backward() under "warn"/"skip".
+        torch.set_anomaly_enabled(True, False)
+
+    def _anomaly_restore(self) -> None:
+        if self._anomaly_prev is not None:
+            enabled, check_nan = self._anomaly_prev
+            torch.set_anomaly_enabled(enabled, check_nan)
+            self._anomaly_prev = None
+
+    def _open_window(self, step: int) -> None:
+        if self._window_left > 0:
+            return
+        self._window_left = self.engine.config.escalate_steps
+        self._window_start = step
+        self.engine.escalated = True
+        if self.integration == "plain" and self.model is not None:
+            self._live = Localizer(self.model)
+            self._live.install_module_hooks()
+            self._window_hooks.append(
+                self.model.register_forward_hook(self._escalated_forward_end, with_kwargs=True, always_call=True)
+            )
+
+    def _close_window(self) -> None:
+        self._window_left = 0
+        self._window_start = None
+        for h in self._window_hooks:
+            h.remove()
+        self._window_hooks = []
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+        self._live_used = False
+        self._anomaly_restore()
+        if self.engine is not None:
+            self.engine.escalated = False
+
+    def _escalated_forward_start(self) -> None:
+        self._anomaly_on()
+        if self._live is not None:
+            self._live.start()
+
+    def _escalated_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        live = self._live
+        if live is None or self._replaying or not live.recording:
+            return None
+        live.stop_forward()
+        try:
+            if output is not None:
+                live.hook_graph([t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+                self._live_used = True
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("Escalation.hook_graph", exc, owner=self.engine)
+        return None
+
+    def after_step(self, stats: Any, decision: str) -> None:
+        self._stale = True
+        if self._window_left > 0 and stats.optimizer_index == 0 and stats.step != self._window_start:
+            self._window_left -= 1
+            if self._window_left <= 0:
+                self._close_window()
+
+    def close(self) -> None:
+        self._close_window()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._calls = []
+        self._batch = None
+
+    # -- the incident ------------------------------------------------------------------------------
+    def on_incident(self, stats: Any, findings: list[Finding]) -> list[Finding]:
+        if not self.active:
+            return []
+        config = self.engine.config
+        if config.deferred:
+            # The statistics are one step old and that step's inputs are gone: watch the next steps.
+            self._open_window(stats.step)
+            return []
+        out: list[Finding] = []
+        layers = layer_table(stats)
+        poisoned = self._poisoned_params()
+        if poisoned:
+            if not self._poison_reported:
+                self._poison_reported = True
+                out.append(_poisoned_finding(stats.step, poisoned, config.on_nonfinite, layers))
+            return out
+        self._poison_reported = False
+        bad_inputs = self._nonfinite_inputs()
+        origin_finding: Finding | None = None
+        result: _Result | None = None
+        if bad_inputs:
+            out.append(_input_finding(stats.step, bad_inputs))
+        else:
+            result = self._localize()
+            if result is not None:
+                self.localizations.append((stats.step, result.loc))
+                origin_finding = _origin_finding(stats.step, result, layers)
+                out.append(origin_finding)
+        note = None
+        if result is None and not bad_inputs:
+            note = (
+                "The replay of this step's forward and backward on its inputs was finite: the non-finite "
+                "value did not come from the model's autograd graph on this batch (look at code that "
+                "changes .grad between backward() and step(), at the loss outside the model, or at "
+                "randomness such as dropout). The next steps run escalated."
+            )
+        self._write_report(stats, findings + out, layers, result, note)
+        self._open_window(stats.step)
+        return out
+
+    def _source(self) -> list[Any]:
+        if self.integration == "lightning":
+            return [self._batch] if self._batch is not None else []
+        return list(self._calls)
+
+    def _nonfinite_inputs(self) -> list[tuple[str, int, int]]:
+        named: list[tuple[str, torch.Tensor]] = []
+        for src in self._source():
+            if isinstance(src, _Batch):
+                named += _named_tensors("batch", src.batch)
+            else:
+                named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
+        named = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
+        if not named:
+            return []
+        with torch.no_grad():
+            counts = [torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).cpu() for _n, t in named]
+        rows = torch.stack(counts).tolist()
+        return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(named, rows) if c[0] or c[1]]
+
+    def _poisoned_params(self) -> list[str]:
+        params = [(n, p) for n, p in self.engine.index.model_params if p.is_floating_point() and not p.is_meta]
+        if not params:
+            return []
+        batch = SyncBatch()
+        slots = queue_grad_norms(batch, [p.detach() for _n, p in params])
+        norms = read_grad_norms(batch.resolve(), slots, len(params))
+        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        if not suspects:
+            return []
+        with torch.no_grad():
+            flags = [bool((~torch.isfinite(params[i][1])).any()) for i in suspects]
+        return [params[i][0] for i, f in zip(suspects, flags) if f]
+
+    # -- localization ------------------------------------------------------------------------------
+    def _localize(self) -> _Result | None:
+        live = self._live
+        if live is not None and self._live_used:
+            try:
+                loc = live.resolve()
+            finally:
+                live.reset()
+                self._live_used = False
+            upstream_bad, available = self._upstream_state()
+            result = _Result(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
+            if loc.origin is not None or (upstream_bad and loc.forward_finite):
+                return result
+        for src in self._source():
+            try:
+                if isinstance(src, _Batch):
+                    result = self._replay_lightning(src)
+                else:
+                    result = self._replay_call(src)
+            except Exception as exc:  # noqa: BLE001 - a failed replay must not fail the step
+                internal_warning("Escalation.replay", exc, owner=self.engine)
+                continue
+            if result.loc.origin is not None or result.upstream_bad or not result.loc.forward_finite:
+                return result
+        return None
+
+    def _upstream_state(self, call: _Call | None = None) -> tuple[bool, bool]:
+        """(non-finite, available) for the gradient that reached the model's outputs."""
+        calls = [call] if call is not None else self._calls
+        grads = [g for c in calls for g in c.grads.values() if isinstance(g, torch.Tensor)]
+        if not grads:
+            return False, False
+        v = summarize([g for g in grads if g.is_floating_point() or g.is_complex()])
+        if v is None:
+            return False, True
+        nan, inf = v[:2].tolist()
+        return bool(nan or inf), True
+
+    def _replay_model(self) -> nn.Module:
+        model = self.model
+        assert model is not None
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
+            return inner  # no collective calls in a replay that only this rank runs
+        return model
+
+    def _replay_call(self, call: _Call) -> _Result:
+        model = self._replay_model()
+        upstream_bad, available = self._upstream_state(call)
+        loc = Localizer(model)
+        anomaly_error: str | None = None
+        traceback: str | None = None
+        surrogate = False
+        with _preserved(model), self._replay_guard(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=True), _autocast(call.autocast):
+                args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+                loc.start()
+                try:
+                    output = model(*args, **kwargs)
+                finally:
+                    loc.stop_forward()
+                leaves = list(enumerate(tree_leaves(output)))
+                outs = [(i, t) for i, t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+                loc.hook_graph([t for _i, t in outs])
+                use_real = available and not upstream_bad
+                targets, grad_outputs = [], []
+                for i, t in outs:
+                    g = call.grads.get(i) if use_real else None
+                    if use_real and (g is None or g.shape != t.shape):
+                        continue  # this output did not reach the loss
+                    targets.append(t)
+                    grad_outputs.append(g if g is not None else torch.ones_like(t))
+                surrogate = not use_real
+                wrt = [p for p in model.parameters() if p.requires_grad]
+                wrt += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if targets and wrt:
+                    try:
+                        torch.autograd.grad(targets, wrt, grad_outputs, allow_unused=True)
+                    except RuntimeError as exc:
+                        anomaly_error = str(exc)
+            traceback = _anomaly_traceback(caught)
+        try:
+            result = loc.resolve()
+        finally:
+            loc.close()
+        return _Result(
+            result,
+            replayed=True,
+            surrogate=surrogate,
+            upstream_bad=upstream_bad,
+            anomaly_error=anomaly_error,
+            anomaly_traceback=traceback,
+        )
+
+    def _replay_lightning(self, src: _Batch) -> _Result:
+        pl_module = src.pl_module
+        loc = Localizer(pl_module, root_label=ROOT)
+        anomaly_error: str | None = None
+        traceback: str | None = None
+        with _preserved(pl_module), self._replay_guard(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=True):
+                batch = tree_map(_replay_input, src.batch)
+                losses: list[torch.Tensor] = []
+                with _lightning_guards(pl_module, losses), _train_step_context(src.trainer):
+                    loc.start()
+                    try:
+                        out = pl_module.training_step(batch, src.batch_idx)
+                    finally:
+                        loc.stop_forward()
+                loss = out.get("loss") if isinstance(out, dict) else out
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    losses.insert(0, loss)
+                losses = [l for l in losses if isinstance(l, torch.Tensor) and l.requires_grad]
+                loc.hook_graph(losses)
+                wrt = [p for p in pl_module.parameters() if p.requires_grad]
+                if losses and wrt:
+                    try:
+                        torch.autograd.grad(
+                            losses, wrt, [torch.ones_like(l) for l in losses], allow_unused=True
+                        )
+                    except RuntimeError as exc:
+                        anomaly_error = str(exc)
+            traceback = _anomaly_traceback(caught)
+        try:
+            result = loc.resolve()
+        finally:
+            loc.close()
+        return _Result(result, replayed=True, surrogate=False, upstream_bad=False,
+                       anomaly_error=anomaly_error, anomaly_traceback=traceback, lightning=True)
+
+    @contextlib.contextmanager
+    def _replay_guard(self) -> Iterator[None]:
+        live = self._live
+        was_recording = live.recording if live is not None else False
+        if live is not None:
+            live.recording = False
+        self._replaying = True
+        self.engine.replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+            self.engine.replaying = False
+            if live is not None:
+                live.recording = was_recording
+
+    # -- report ------------------------------------------------------------------------------------
+    def _write_report(
+        self,
+        stats: Any,
+        findings: list[Finding],
+        layers: list[dict[str, Any]],
+        result: _Result | None,
+        note: str | None,
+    ) -> None:
+        log_dir = self.engine.log_dir  # None when the log directory could not be written (already reported)
+        if not log_dir or not self.engine.rank_zero or len(self.reports) >= MAX_REPORTS:
+            return
+        save = bool(self.engine.config.save_batch)
+        paths = incident_paths(log_dir, stats.step, stats.optimizer_index, save_batch=save)
+        for f in findings:
+            if f.kind in ("nan_origin", "nonfinite_input") and f.step == stats.step:
+                f.data["report"] = paths.markdown
+        inputs = None
+        if save:
+            src = self._source()
+            if self.integration == "lightning" and src:
+                inputs = {"batch": src[0].batch, "batch_idx": src[0].batch_idx}
+            elif src:
+                inputs = {"args": src[-1].args, "kwargs": src[-1].kwargs}
+                if len(src) > 1:
+                    inputs["calls"] = [{"args": c.args, "kwargs": c.kwargs} for c in src]
+        traceback = None
+        anomaly_error = None
+        if result is not None:
+            origin = result.loc.origin
+            traceback = (origin.traceback if origin is not None else None) or result.anomaly_traceback
+            anomaly_error = result.anomaly_error
+        try:
+            write_incident(
+                paths,
+                step=stats.step,
+                findings=findings,
+                layers=layers,
+                traceback=traceback,
+                anomaly_error=anomaly_error,
+                inputs=inputs,
+                note=note,
+            )
+            self.reports.append(paths.markdown)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("incident report", exc, owner=self.engine)
+
+
+class _Result:
+    def __init__(
+        self,
+        loc: Localization,
+        *,
+        replayed: bool,
+        surrogate: bool,
+        upstream_bad: bool,
+        anomaly_error: str | None = None,
+        anomaly_traceback: str | None = None,
+        lightning: bool = False,
+    ) -> None:
+        self.loc = loc
+        self.replayed = replayed
+        self.surrogate = surrogate
+        self.upstream_bad = upstream_bad
+        self.anomaly_error = anomaly_error
+        self.anomaly_traceback = anomaly_traceback
+        self.lightning = lightning
+
+
+# -- state that a replay must not change ------------------------------------------------------------
+@contextlib.contextmanager
+def _preserved(model: nn.Module) -> Iterator[None]:
+    """Restore module buffers (BatchNorm running statistics, counters) and the RNG state afterwards."""
+    buffers = []
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if isinstance(b, torch.Tensor):
+                buffers.append((m, name, b, b.detach().clone()))
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_rng = torch.cuda.get_rng_state_all()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _replay_input(v: Any) -> Any:
+    # A private copy: a model that modifies its input in place must not change the user's batch.
+    if isinstance(v, torch.Tensor):
+        c = v.detach().clone()
+        if v.requires_grad and (c.is_floating_point() or c.is_complex()):
+            c.requires_grad_(True)
+        return c
+    return v
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...] | None:
+    state = None
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            state = (state or ()) + ((device, torch.get_autocast_dtype(device)),)
+    return state
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple[tuple[str, torch.dtype], ...] | None) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state or ():
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+def _anomaly_traceback(caught: list[warnings.WarningMessage]) -> str | None:
+    for w in caught:
+        text = str(w.message)
+        if text.startswith("Error detected in"):
+            return re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", text, flags=re.S)
+    return None
+
+
+# -- Lightning replay guards ------------------------------------------------------------------------
+class _InertOptimizer:
+    """Stands in for a LightningOptimizer during a replay: ``step``/``zero_grad`` do nothing."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def toggle_model(self, *args: Any, **kwargs: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _InertScheduler(_InertOptimizer):
+    def step(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        return None
+
+
+def _inert(value: Any, cls: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return type(value)(cls(v) for v in value)
+    return cls(value)
+
+
+@contextlib.contextmanager
+def _lightning_guards(pl_module: Any, losses: list[torch.Tensor]) -> Iterator[None]:
+    """Neutralize training_step's side effects: logging, manual backward, optimizer and scheduler steps."""
+    optimizers = pl_module.optimizers(use_pl_optimizer=True) if _has_trainer(pl_module) else None
+    try:
+        schedulers = pl_module.lr_schedulers() if _has_trainer(pl_module) else None
+    except Exception:  # noqa: BLE001
+        schedulers = None
+    fake_opts = _inert(optimizers, _InertOptimizer)
+    fake_scheds = _inert(schedulers, _InertScheduler)
+
+    def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        losses.append(loss)
+
+    patches: dict[str, Any] = {
+        "log": lambda *a, **k: None,
+        "log_dict": lambda *a, **k: None,
+        "manual_backward": manual_backward,
+        "optimizers": lambda *a, **k: fake_opts,
+        "lr_schedulers": lambda *a, **k: fake_scheds,
+        "toggle_optimizer": lambda *a, **k: None,
+        "untoggle_optimizer": lambda *a, **k: None,
+        "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
+        "clip_gradients": lambda *a, **k: None,
+    }
+    saved = {name: pl_module.__dict__[name] for name in patches if name in pl_module.__dict__}
+    try:
+        for name, fn in patches.items():
+            object.__setattr__(pl_module, name, fn)
+        yield
+    finally:
+        for name in patches:
+            if name in saved:
+                object.__setattr__(pl_module, name, saved[name])
+            else:
+                pl_module.__dict__.pop(name, None)
+
+
+def _has_trainer(pl_module: Any) -> bool:
+    try:
+        return pl_module.trainer is not None
+    except Exception:  # noqa: BLE001 - Lightning raises when no trainer is attached
+        return False
+
+
+def _train_step_context(trainer: Any) -> Any:
+    plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+    ctx = getattr(plugin, "train_step_context", None)
+    if ctx is None:
+        return contextlib.nullcontext()
+    try:
+        return ctx()
+    except Exception:  # noqa: BLE001
+        return contextlib.nullcontext()
+
+
+# -- findings ---------------------------------------------------------------------------------------
+def _named_tensors(prefix: str, obj: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    leaves, _spec = tree_flatten_with_path(obj)
+    out = []
+    for path, v in leaves:
+        if isinstance(v, torch.Tensor) and not v.is_meta and v.layout is torch.strided:
+            out.append((prefix + "".join(str(k) for k in path), v))
+    return out
+
+
+def layer_table(stats: Any) -> list[dict[str, Any]]:
+    """Per-layer rows (layer, grad norm, NaN count, Inf count) in model order, from a step's statistics."""
+    order: list[str] = []
+    acc: dict[str, float] = {}
+    nan: dict[str, int] = {}
+    inf: dict[str, int] = {}
+    norms = stats.norms if len(stats.norms) == len(stats.names) else [float("nan")] * len(stats.names)
+    for name, module, v in zip(stats.names, stats.modules, norms):
+        key = ROOT if module == "" else ("<foreign>" if module is None else module)
+        if key not in acc:
+            order.append(key)
+            acc[key] = 0.0
+            nan[key] = 0
+            inf[key] = 0
+        acc[key] += v * v
+        nan[key] += int(stats.nan_counts.get(name, 0))
+        inf[key] += int(stats.inf_counts.get(name, 0))
+    return [
+        {"layer": k, "grad_norm": math.sqrt(acc[k]) if math.isfinite(acc[k]) else acc[k], "nan": nan[k], "inf": inf[k]}
+        for k in order
+    ]
+
+
+def _input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
+    parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in bad]
+    return Finding(
+        kind="nonfinite_input",
+        step=step,
+        severity="error",
+        message=(
+            f"The inputs of step {step} already hold non-finite values before the model ran: "
+            f"{', '.join(parts[:8])}{' and more' if len(parts) > 8 else ''}. The data, not the model, is the "
+            "cause.\nFix: find where the batch is built (missing values in the dataset, a normalization by "
+            "a zero std, a broken augmentation); filter or impute bad samples, and assert "
+            "torch.isfinite(x).all() in the data pipeline while debugging."
+        ),
+        data={"inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad], "table": [
+            {"input": n, "nan": a, "inf": b} for n, a, b in bad
+        ]},
+    )
+
+
+def _poisoned_finding(step: int, names: list[str], policy: str, layers: list[dict[str, Any]]) -> Finding:
+    return Finding(
+        kind="nan_origin",
+        step=step,
+        severity="error",
+        message=(
+            f"The weights themselves hold NaN/Inf at step {step}: {names_text(names)}. An earlier "
+            "non-finite update was applied"
+            + (" (on_nonfinite='warn')" if policy == "warn" else "")
+            + ", so every later step is non-finite too and cannot be localized any more.\nFix: see the "
+            "first nan_origin finding of the run for the op and module where it began; use "
+            "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
+        ),
+        params=tuple(names),
+        data={"phase": "weights", "params": names, "table": layers},
+    )
+
+
+_FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("Log", "Log2", "Log10", "Log1p", "Xlogy", "Lgamma", "Digamma"),
+        "log of 0 or of a negative number: clamp the input (torch.log(x.clamp_min(1e-8))), add an epsilon, or "
+        "stay in log space (log_softmax, logsumexp, cross_entropy on logits).",
+    ),
+    (
+        ("Sqrt", "Rsqrt"),
+        "the derivative of sqrt is infinite at 0 (and sqrt of a negative number is NaN): use "
+        "torch.sqrt(x + 1e-8) or x.clamp_min(1e-8).sqrt(); for a norm, torch.linalg.vector_norm has a "
+        "defined gradient at 0.",
+    ),
+    (
+        ("Div", "Reciprocal", "Remainder", "Fmod"),
+        "division by zero (a zero norm, count or std): divide by d.clamp_min(1e-8) or (d + 1e-8), or use "
+        "F.normalize(x, eps=1e-8).",
+    ),
+    (
+        ("Pow",),
+        "pow of a negative base with a fractional exponent is NaN, and x ** p with p < 1 has an infinite "
+        "derivative at 0: clamp the base (x.clamp_min(1e-8) ** p) or use torch.sign(x) * x.abs().clamp_min(1e-8) ** p.",
+    ),
+    (
+        ("Exp", "Exp2", "Expm1", "Sinh", "Cosh"),
+        "exp overflow (float32 overflows above exp(88), float16 above exp(11)): clamp the input "
+        "(x.clamp(max=80)), subtract the maximum first (logsumexp, softmax), or lower the learning rate.",
+    ),
+    (
+        ("Acos", "Asin", "Atanh", "Erfinv", "Acosh"),
+        "the derivative is infinite at the edge of the domain: clamp the input, e.g. "
+        "x.clamp(-1 + 1e-6, 1 - 1e-6).",
+    ),
+    (
+        ("Softmax", "LogSoftmax"),
+        "a fully masked row (every logit -inf) makes softmax NaN: keep one position unmasked, or mask with "
+        "torch.finfo(x.dtype).min instead of -inf.",
+    ),
+    (
+        ("Tan", "Atan2"),
+        "the op is singular here: keep its input away from the singular points (clamp, add an epsilon).",
+    ),
+]
+_GENERIC_FIX = (
+    "the values grew out of range: lower the learning rate, add normalization before this op, clip "
+    "gradients, or compute this part in float32; if the op has a restricted domain, clamp its input."
+)
+
+
+def fix_for(op: str | None, forward_op: str | None = None) -> str:
+    """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``)."""
+    for name in (op, forward_op):
+        if not name:
+            continue
+        base = re.sub(r"Backward\d*$", "", name.rsplit(".", 1)[-1]).lstrip("_")
+        base = base[:1].upper() + base[1:]
+        base = re.sub(r"_$", "", base)
+        for names, fix in _FIXES:
+            if base in names or base.lower() in {n.lower() for n in names}:
+                return fix
+    return _GENERIC_FIX
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _range(m: dict[str, float]) -> str:
+    text = f"|x| from {_fmt(m['min_abs'])} to {_fmt(m['max_abs'])}"
+    if "min" in m and m["min"] < 0:
+        text = f"values from {_fmt(m['min'])} to {_fmt(m['max'])}, " + text
+    return text
+
+
+def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) -> Finding:
+    loc = result.loc
+    origin = loc.origin
+    data: dict[str, Any] = {
+        "replayed": result.replayed,
+        "surrogate_grad": result.surrogate,
+        "first_nonfinite_module": loc.first_module,
+        "first_nonfinite_module_inputs": dict(loc.first_module_inputs),
+        "anomaly_error": result.anomaly_error,
+        "table": layers,
+    }
+    how = "a replay of the step" if result.replayed else "the escalated step itself"
+    if origin is None and result.upstream_bad and loc.forward_finite:
+        data.update(phase="loss", op=None, module=None)
+        message = (
+            f"The model's forward pass was finite at step {step}, but the gradient arriving at its output "
+            "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
+            "the model (seen in " + how + ").\nFix: look at the loss function: log of a 0 probability "
+            "(use log_softmax / cross_entropy on logits), division by a zero count or norm, sqrt at 0, or a "
+            "NaN/Inf target."
+        )
+        return Finding(kind="nan_origin", step=step, severity="error", message=message, data=data)
+    if origin is None:
+        data.update(phase=None, op=None, module=loc.first_module)
+        message = (
+            f"gradwatch could not reproduce where the non-finite value of step {step} was born ({how}: "
+            f"{loc.ops_recorded} forward ops and {loc.nodes_recorded} backward nodes were all finite"
+            + (", replayed with a gradient of ones because the real upstream gradient was not available" if result.surrogate else "")
+            + "). It may come from outside the watched model, from randomness in the step (dropout), or "
+            "from a custom autograd Function.\nFix: see the per-layer table; the next "
+            "steps run with anomaly mode on."
+        )
+        return Finding(kind="nan_origin", step=step, severity="error", message=message, module=loc.first_module, data=data)
+    module = origin.module
+    where_module = module if module is not None else ("training_step" if result.lightning else "outside any module")
+    data.update(
+        phase=origin.phase,
+        op=origin.op,
+        forward_op=origin.forward_op,
+        module=module,
+        source=origin.source,
+        code=origin.code,
+        incoming=dict(origin.incoming),
+        outgoing=dict(origin.outgoing),
+        forward_traceback=origin.traceback or result.anomaly_traceback,
+    )
+    produced = " and ".join(label for key, label in (("nan", "NaN"), ("inf", "Inf")) if origin.outgoing.get(key))
+    produced = produced or "non-finite values"
+    line = ""
+    if origin.source:
+        line = f"\n    {origin.source}" + (f"\n      {origin.code}" if origin.code else "")
+    inc = origin.incoming
+    if origin.phase == "forward":
+        inputs = "It had no tensor inputs"
+        if "min_abs" in inc:
+            inputs = f"Its inputs were finite ({_range(inc)})"
+        what = (
+            f"Born in the forward pass of step {step}: op {origin.op} ({origin.forward_op}) in module "
+            f"{where_module}{line}\n{inputs}; its output holds {produced}."
+        )
+        if loc.first_module is not None:
+            what += f" First module with a non-finite output: {loc.first_module}"
+            if loc.first_module_inputs:
+                what += f" (inputs {_range(loc.first_module_inputs)})"
+            what += "."
+    else:
+        received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
+        fwd = ""
+        if "forward_min_abs" in inc:
+            fwd = " Its forward inputs: " + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")}) + "."
+        what = (
+            f"Born in the backward pass of step {step} (the forward pass was finite): op {origin.op} "
+            f"({origin.forward_op}) in module {where_module}{line}\n"
+            f"It received {received} and produced {produced}.{fwd}"
+        )
+    if result.surrogate and origin.phase == "backward":
+        what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
+    message = f"{what}\nFix: {fix_for(origin.op, origin.forward_op)}"
+    return Finding(
+        kind="nan_origin",
+        step=step,
+        severity="error",
+        message=message,
+        module=module,
+        op=origin.op,
+        data=data,
+    )
+
+
+__all__ = ["Escalation", "layer_table", "fix_for", "MAX_CALLS", "MAX_REPORTS"]
+

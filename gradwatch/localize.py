@@ -1,0 +1,505 @@
+"""Localize where a non-finite value was born: the forward op, the module, the backward node.
+
+A :class:`Localizer` is switched on only for a replayed step or an escalated step, never on healthy
+steady-state steps. While it records:
+
+- a ``TorchFunctionMode`` sees every torch function and tensor method of the forward pass and notes, per
+  call, whether its tensor inputs were finite and its outputs not, which module ran it (innermost module on
+  a stack kept by forward pre/post hooks on every submodule) and which line of the user's code called it;
+- forward hooks note, per module, whether its output was finite and the magnitudes of its inputs;
+- node hooks on the autograd graph note, per backward node in execution order, whether the gradient it
+  received was finite and the one it produced not (Inf included, unlike anomaly mode).
+
+Every check is queued as a device tensor; :meth:`Localizer.resolve` reads them all back at once and
+returns a :class:`Localization`.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = "<root>"
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
+    if getattr(m, "__file__", None)
+)
+_OPTIONAL_SKIP = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    dirs = list(_SKIP_DIRS)
+    for name in _OPTIONAL_SKIP:
+        mod = sys.modules.get(name)
+        f = getattr(mod, "__file__", None)
+        if f:
+            dirs.append(os.path.dirname(os.path.abspath(f)) + os.sep)
+    return tuple(dirs)
+
+
+@dataclass
+class Site:
+    """Where a forward op ran: the user's line that called it and the innermost module around it."""
+
+    func: str
+    module: str | None
+    filename: str | None = None
+    lineno: int | None = None
+    function: str | None = None
+
+    @property
+    def source(self) -> str | None:
+        if self.filename is None:
+            return None
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+    @property
+    def code(self) -> str | None:
+        if self.filename is None or self.lineno is None:
+            return None
+        return linecache.getline(self.filename, self.lineno).strip() or None
+
+
+@dataclass
+class Origin:
+    """The op where a non-finite value was born.
+
+    Attributes:
+        phase: ``"forward"`` (an op's output went non-finite from finite inputs) or ``"backward"`` (a
+            backward node produced a non-finite gradient from a finite one).
+        op: Autograd node name, e.g. ``"LogBackward0"`` (the forward function when no graph was built).
+        forward_op: The torch function that ran in the forward pass, e.g. ``"torch.log"``.
+        module: Qualified name of the innermost module that ran it (``"<root>"`` for the root module,
+            None outside any module).
+        source: ``"file:line in function"`` of the user's code that called it.
+        code: That source line.
+        incoming: What went in. Forward birth: ``min_abs``/``max_abs``/``min``/``max`` of the op's tensor
+            inputs. Backward birth: ``min_abs``/``max_abs`` of the gradient it received, and
+            ``forward_min_abs``/``forward_max_abs``/``forward_min``/``forward_max`` of its forward inputs.
+        outgoing: What came out: ``nan``/``inf`` (whether present) and ``max_abs``.
+        traceback: The forward traceback recorded by anomaly mode for this node, if it was on.
+    """
+
+    phase: str
+    op: str
+    forward_op: str | None
+    module: str | None
+    source: str | None
+    code: str | None
+    incoming: dict[str, float] = field(default_factory=dict)
+    outgoing: dict[str, Any] = field(default_factory=dict)
+    traceback: str | None = None
+
+
+@dataclass
+class Localization:
+    """What one recorded forward/backward showed.
+
+    Attributes:
+        origin: The op where the first non-finite value was born, if one was seen.
+        first_module: The first module (in completion order) whose forward output was non-finite.
+        first_module_inputs: ``min_abs``/``max_abs``/``min``/``max`` of that module's tensor inputs.
+        forward_finite: Whether every recorded forward op output was finite.
+        ops_recorded: Number of forward ops recorded.
+        nodes_recorded: Number of backward nodes that ran with a hook.
+    """
+
+    origin: Origin | None = None
+    first_module: str | None = None
+    first_module_inputs: dict[str, float] = field(default_factory=dict)
+    forward_finite: bool = True
+    ops_recorded: int = 0
+    nodes_recorded: int = 0
+
+
+def _float_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        leaves: Iterable[Any] = (obj,)
+    else:
+        leaves = tree_leaves(obj)
+    out = []
+    for t in leaves:
+        if (
+            isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex())
+            and not t.is_meta
+            and t.layout is torch.strided
+            and t.numel() > 0
+        ):
+            out.append(t)
+    return out
+
+
+def _has_nonfinite_scalar(args: Any, kwargs: Any) -> bool:
+    """An explicit float('inf')/nan argument: an intentional non-finite value (masks), not a bug."""
+    for v in tree_leaves((args, kwargs)):
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            return True
+    return False
+
+
+def summarize(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[has_nan, has_inf, min_abs, max_abs, min, max]`` over ``tensors``: one float32 device vector, no sync.
+
+    Complex tensors count by magnitude (``min``/``max`` are then magnitudes too).
+    """
+    if not tensors:
+        return None
+    with torch.no_grad():
+        parts = []
+        device = tensors[0].device
+        for t in tensors:
+            t = t.detach()
+            a = t.abs().float().reshape(-1)
+            signed = a if t.is_complex() else t.float().reshape(-1)
+            lo, hi = torch.aminmax(a)
+            smin, smax = torch.aminmax(signed)
+            v = torch.stack([torch.isnan(a).any().float(), torch.isinf(a).any().float(), lo, hi, smin, smax])
+            parts.append(v if v.device == device else v.to(device, non_blocking=True))
+        if len(parts) == 1:
+            return parts[0]
+        s = torch.stack(parts)
+        return torch.stack(
+            [s[:, 0].amax(), s[:, 1].amax(), s[:, 2].amin(), s[:, 3].amax(), s[:, 4].amin(), s[:, 5].amax()]
+        )
+
+
+class _OpRecorder(TorchFunctionMode):
+    def __init__(self, loc: Localizer) -> None:
+        super().__init__()
+        self.loc = loc
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__") or not self.loc.recording:
+            return func(*args, **kwargs)
+        try:
+            before = summarize(_float_tensors((args, kwargs)))
+        except Exception:  # noqa: BLE001 - never break the forward pass
+            before = None
+        out = func(*args, **kwargs)
+        try:
+            self.loc._record_op(func, args, kwargs, before, out)
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    qual = getattr(func, "__qualname__", name)
+    mod = getattr(func, "__module__", None) or ""
+    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+        return "Tensor." + name
+    if mod.startswith("torch.nn.functional"):
+        return "F." + name
+    if mod.startswith("torch"):
+        return "torch." + name
+    return qual
+
+
+class Localizer:
+    """Records one forward (and its backward) of ``root`` to localize non-finite values.
+
+    Use as: :meth:`start` before the forward, :meth:`stop_forward` after it, :meth:`hook_graph` with the
+    forward's outputs, then run the backward, then :meth:`resolve`; :meth:`close` removes every hook.
+    Several forwards may be recorded before one resolve (gradient accumulation).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> loc = Localizer(model)
+        >>> loc.start()
+        >>> out = model(torch.zeros(1, 2)).log()
+        >>> loc.stop_forward(); loc.hook_graph([out])
+        >>> _ = torch.autograd.grad(out.sum(), list(model.parameters()), allow_unused=True)
+        >>> loc.resolve().origin is not None
+        True
+        >>> loc.close()
+    """
+
+    def __init__(self, root: nn.Module | None, *, root_label: str = ROOT) -> None:
+        self.root = root
+        self.root_label = root_label
+        self.recording = False
+        self._mode: _OpRecorder | None = None
+        self._module_hooks: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._stack: list[str] = []
+        self._skip = _skip_dirs()
+        self.reset()
+
+    # -- recording state ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every record (and remove node hooks); module hooks stay."""
+        for h in self._node_handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._node_handles = []
+        self._ops: list[tuple[Site, Any, bool, torch.Tensor | None, torch.Tensor | None]] = []
+        self._node_site: dict[Any, Site] = {}
+        self._modules: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+        self._nodes: list[Any] = []
+        self._node_sites: list[Site | None] = []
+        self._fired: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+        self._stack = []
+
+    def install_module_hooks(self) -> None:
+        """Forward pre/post hooks on every submodule (only while localizing)."""
+        if self._module_hooks or self.root is None:
+            return
+        for name, m in self.root.named_modules():
+            label = name or self.root_label
+            self._module_hooks.append(m.register_forward_pre_hook(functools.partial(self._enter, label)))
+            self._module_hooks.append(
+                m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
+            )
+
+    def remove_module_hooks(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    def start(self) -> None:
+        """Begin recording a forward pass (pushes the op recorder; installs module hooks)."""
+        self.install_module_hooks()
+        self._stack = []
+        if self._mode is None:
+            self._mode = _OpRecorder(self)
+            self._mode.__enter__()
+        self.recording = True
+
+    def stop_forward(self) -> None:
+        """End recording the forward pass (pops the op recorder)."""
+        self.recording = False
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the stack was changed under us; nothing more to undo
+                pass
+
+    def close(self) -> None:
+        self.stop_forward()
+        self.remove_module_hooks()
+        self.reset()
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _enter(self, label: str, module: nn.Module, args: Any) -> None:
+        if self.recording:
+            self._stack.append(label)
+
+    def _exit(self, label: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self.recording:
+            return
+        if self._stack and self._stack[-1] == label:
+            self._stack.pop()
+        elif label in self._stack:  # an inner module raised: unwind to this one
+            del self._stack[self._stack.index(label) :]
+        self.recording = False  # our own checks are not the model's ops
+        try:
+            ins = summarize(_float_tensors((args, kwargs)))
+            outs = summarize(_float_tensors(output))
+            self._modules.append((label, ins, outs))
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            self.recording = True
+
+    def _site(self, func: Any) -> Site:
+        module = self._stack[-1] if self._stack else None
+        f = sys._getframe(2)
+        skip = self._skip
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith(skip) and not fn.startswith("<frozen"):
+                return Site(_func_name(func), module, fn, f.f_lineno, f.f_code.co_name)
+            f = f.f_back
+        return Site(_func_name(func), module)
+
+    def _record_op(self, func: Any, args: Any, kwargs: Any, before: torch.Tensor | None, out: Any) -> None:
+        outs = _float_tensors(out)
+        if not outs:
+            return
+        site = self._site(func)
+        node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+        if node is not None:
+            for t in outs:
+                if t.grad_fn is not None and t.grad_fn not in self._node_site:
+                    self._node_site[t.grad_fn] = site
+        self._ops.append((site, node, _has_nonfinite_scalar(args, kwargs), before, summarize(outs)))
+
+    # -- backward ----------------------------------------------------------------------------------
+    def hook_graph(self, outputs: Iterable[torch.Tensor]) -> int:
+        """Put a post hook on every backward node reachable from ``outputs``; returns how many."""
+        seen: set[Any] = set(self._nodes)
+        frontier: list[tuple[Any, Site | None]] = []
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                frontier.append((t.grad_fn, self._node_site.get(t.grad_fn)))
+        added = 0
+        while frontier:
+            node, inherited = frontier.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            site = self._node_site.get(node, inherited)
+            index = len(self._nodes)
+            self._nodes.append(node)
+            self._node_sites.append(site)
+            self._node_handles.append(node.register_hook(functools.partial(self._on_node, index)))
+            added += 1
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in seen:
+                    frontier.append((nxt, site))
+        return added
+
+    def _on_node(self, index: int, grad_inputs: Any, grad_outputs: Any) -> None:
+        try:
+            produced = summarize(_float_tensors([g for g in grad_inputs if g is not None]))
+            incoming = summarize(_float_tensors([g for g in grad_outputs if g is not None]))
+            self._fired.append((index, incoming, produced))
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- reading back ------------------------------------------------------------------------------
+    def resolve(self) -> Localization:
+        """Read every queued check back (one transfer per device) and name the origin."""
+        vectors: list[torch.Tensor | None] = []
+        for _site, _node, _intent, before, after in self._ops:
+            vectors += [before, after]
+        for _label, ins, outs in self._modules:
+            vectors += [ins, outs]
+        for _i, incoming, produced in self._fired:
+            vectors += [incoming, produced]
+        values = _read(vectors)
+        it = iter(values)
+        ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a in self._ops]
+        mods = [(label, next(it), next(it)) for label, _i, _o in self._modules]
+        fired = [(i, next(it), next(it)) for i, _a, _b in self._fired]
+
+        loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
+        loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
+        origin = _forward_origin(ops)
+        if origin is None:
+            forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
+            origin = self._backward_origin(fired, forward_inputs)
+        loc.origin = origin
+        for label, ins, outs in mods:
+            if outs is not None and _bad(outs):
+                loc.first_module = label
+                loc.first_module_inputs = _magnitudes(ins)
+                break
+        return loc
+
+    def _backward_origin(
+        self,
+        fired: list[tuple[int, list[float] | None, list[float] | None]],
+        forward_inputs: dict[Any, list[float] | None],
+    ) -> Origin | None:
+        for index, incoming, produced in fired:
+            if produced is None or not _bad(produced):
+                continue
+            if incoming is not None and _bad(incoming):
+                continue
+            node = self._nodes[index]
+            site = self._node_sites[index]
+            fwd = forward_inputs.get(node)
+            inc: dict[str, float] = {}
+            if incoming is not None:
+                inc = {"min_abs": incoming[2], "max_abs": incoming[3]}
+            if fwd is not None:
+                inc.update(forward_min_abs=fwd[2], forward_max_abs=fwd[3], forward_min=fwd[4], forward_max=fwd[5])
+            return Origin(
+                phase="backward",
+                op=node.name(),
+                forward_op=site.func if site else None,
+                module=site.module if site else None,
+                source=site.source if site else None,
+                code=site.code if site else None,
+                incoming=inc,
+                outgoing=_out(produced),
+                traceback=_traceback(node),
+            )
+        return None
+
+
+def _bad(v: list[float]) -> bool:
+    return bool(v[0] or v[1])
+
+
+def _magnitudes(v: list[float] | None) -> dict[str, float]:
+    if v is None:
+        return {}
+    return {"min_abs": v[2], "max_abs": v[3], "min": v[4], "max": v[5]}
+
+
+def _out(v: list[float]) -> dict[str, Any]:
+    return {"nan": bool(v[0]), "inf": bool(v[1]), "max_abs": v[3]}
+
+
+def _read(vectors: list[torch.Tensor | None]) -> list[list[float] | None]:
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(vectors):
+        if v is not None:
+            by_device.setdefault(v.device, []).append(i)
+    out: list[list[float] | None] = [None] * len(vectors)
+    for _device, idx in by_device.items():
+        rows = torch.stack([vectors[i] for i in idx]).tolist()  # type: ignore[misc]
+        for i, r in zip(idx, rows):
+            out[i] = r
+    return out
+
+
+def _traceback(node: Any) -> str | None:
+    try:
+        tb = node.metadata.get("traceback_")
+    except Exception:  # noqa: BLE001
+        return None
+    if not tb:
+        return None
+    return "".join(tb) if isinstance(tb, list) else str(tb)
+
+
+def _forward_origin(ops: list[tuple[Site, Any, bool, list[float] | None, list[float] | None]]) -> Origin | None:
+    def make(site: Site, node: Any, before: list[float] | None, after: list[float]) -> Origin:
+        return Origin(
+            phase="forward",
+            op=node.name() if node is not None else site.func,
+            forward_op=site.func,
+            module=site.module,
+            source=site.source,
+            code=site.code,
+            incoming=_magnitudes(before),
+            outgoing=_out(after),
+            traceback=_traceback(node) if node is not None else None,
+        )
+
+    # A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended.
+    for site, node, intended, before, after in ops:
+        if after is None or not _bad(after) or intended:
+            continue
+        if before is None or not _bad(before):
+            return make(site, node, before, after)
+    # Otherwise a NaN made from Inf (e.g. softmax over a fully masked row).
+    for site, node, _intended, before, after in ops:
+        if after is None or not after[0]:
+            continue
+        if before is None or not before[0]:
+            return make(site, node, before, after)
+    return None

@@ -1,0 +1,329 @@
+"""Escalation in the plain loop: the op and module where a NaN/Inf was born, on the step it appears."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch
+from gradwatch.escalation import Escalation
+
+BAD_STEP = 2
+
+
+class Source(nn.Module):
+    """A bias-free identity projection followed by one op that goes non-finite on a crafted batch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(4, 4, bias=False)
+        nn.init.eye_(self.proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if self.kind == "log":
+            return torch.log(h)
+        if self.kind == "sqrt":
+            return torch.sqrt(h.pow(2).sum(-1, keepdim=True))  # a hand-written norm: d sqrt/dx = inf at 0
+        if self.kind == "div":
+            return h / h.norm(dim=-1, keepdim=True)
+        if self.kind == "exp":
+            return torch.exp(h)
+        if self.kind == "pow":
+            return h.pow(1.5)
+        raise ValueError(self.kind)
+
+
+# kind -> (submodule name, expected op, bad batch)
+SOURCES: dict[str, tuple[str, str]] = {
+    "log": ("logscale", "LogBackward0"),
+    "sqrt": ("distance", "SqrtBackward0"),
+    "div": ("normalize", "DivBackward0"),
+    "exp": ("gate", "ExpBackward0"),
+    "pow": ("power", "PowBackward0"),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        name = SOURCES[kind][0]
+        self.encoder = nn.Sequential(OrderedDict([(name, Source(kind))]))
+        width = 1 if kind == "sqrt" else 4
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def batch(step: int, kind: str, bad_step: int | tuple[int, ...] = BAD_STEP) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.rand(8, 4, generator=g) + 0.5  # healthy: every op above is finite and smooth here
+    bad = (bad_step,) if isinstance(bad_step, int) else bad_step
+    if step in bad:
+        x = x.clone()
+        if kind == "exp":
+            x[3] = 200.0  # exp(200) overflows float32
+        elif kind == "pow":
+            x[3] = -1.0  # (-1) ** 1.5 is NaN
+        else:
+            x[3] = 0.0  # log(0), sqrt'(0), 0 / 0
+    return x
+
+
+def train(
+    model: nn.Module,
+    kind: str,
+    steps: int = 5,
+    bad_step: int | tuple[int, ...] = BAD_STEP,
+    loss_fn: Any = None,
+    anomaly_seen: list[bool] | None = None,
+    **config: Any,
+) -> gradwatch.Watcher:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config.setdefault("console", False)
+    with gradwatch.watch(model, opt, **config) as gw:
+        for step in range(steps):
+            out = model(batch(step, kind, bad_step))
+            if anomaly_seen is not None:
+                anomaly_seen.append(torch.is_anomaly_enabled())
+            loss = loss_fn(out) if loss_fn is not None else out.pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return gw
+
+
+def origins(gw: gradwatch.Watcher) -> list[gradwatch.Finding]:
+    return [f for f in gw.findings if f.kind == "nan_origin"]
+
+
+# -- the op and module, on the step the NaN first appears ----------------------------------------------
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_origin_named_on_first_nonfinite_step(kind: str, policy: str) -> None:
+    gw = train(Net(kind), kind, on_nonfinite=policy)
+    first = origins(gw)[0]
+    name, op = SOURCES[kind]
+    assert first.step == BAD_STEP
+    assert first.op == op
+    assert first.module == f"encoder.{name}"
+    assert first.data["source"].startswith(__file__)
+    assert first.data["code"] is not None and first.data["code"] in open(__file__).read()
+
+
+def test_backward_only_nan_is_localized_in_backward_phase() -> None:
+    gw = train(Net("sqrt"), "sqrt", on_nonfinite="skip")
+    first = origins(gw)[0]
+    assert first.data["phase"] == "backward"
+    assert first.data["incoming"]["forward_min_abs"] == 0.0  # sqrt evaluated at 0
+    assert first.data["outgoing"]["inf"] is True
+
+
+def test_forward_inf_reports_input_magnitudes_and_first_module() -> None:
+    gw = train(Net("exp"), "exp", on_nonfinite="skip")
+    first = origins(gw)[0]
+    assert first.data["phase"] == "forward"
+    assert first.data["incoming"]["max_abs"] >= 199.0
+    assert first.data["first_nonfinite_module"] == "encoder.gate"
+    assert "clamp" in first.message
+
+
+def test_skip_run_survives_with_finite_weights() -> None:
+    model = Net("div")
+    gw = train(model, "div", steps=6, on_nonfinite="skip")
+    assert gw.engine.steps_skipped == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_raise_carries_op_and_module_in_error() -> None:
+    with pytest.raises(gradwatch.GradWatchError) as info:
+        train(Net("sqrt"), "sqrt", on_nonfinite="raise")
+    assert "SqrtBackward0" in str(info.value)
+    assert "encoder.distance" in str(info.value)
+    assert any(f.kind == "nan_origin" and f.op == "SqrtBackward0" for f in info.value.findings)
+    assert not torch.is_anomaly_enabled()
+
+
+def test_nan_born_in_loss_is_attributed_to_loss() -> None:
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.log(out - out.detach()).mean()  # log(0) in the loss, the model itself is finite
+
+    gw = train(Net("log"), "log", bad_step=(), loss_fn=loss_fn, on_nonfinite="skip")
+    first = origins(gw)[0]
+    assert first.step == 0
+    assert first.data["phase"] == "loss"
+    assert "loss computation" in first.message
+
+
+# -- the layer table and the data ----------------------------------------------------------------------
+def test_per_layer_table_lists_norm_nan_and_inf_counts() -> None:
+    gw = train(Net("sqrt"), "sqrt", on_nonfinite="skip")
+    rows = {r["layer"]: r for r in origins(gw)[0].data["table"]}
+    assert set(rows) == {"encoder.distance.proj", "head"}
+    assert rows["encoder.distance.proj"]["nan"] + rows["encoder.distance.proj"]["inf"] > 0
+    assert rows["head"]["nan"] == rows["head"]["inf"] == 0 and rows["head"]["grad_norm"] >= 0
+
+
+def test_nonfinite_batch_reported_as_input_not_model() -> None:
+    model = Net("log")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        x = batch(0, "log")
+        x[1, 2] = float("nan")
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    mine = [f for f in gw.findings if f.kind in ("nonfinite_input", "nan_origin")]
+    assert [f.kind for f in mine] == ["nonfinite_input"]
+    assert mine[0].data["inputs"] == [{"input": "args[0]", "nan": 1, "inf": 0}]
+
+
+# -- escalation window and anomaly mode ------------------------------------------------------------
+def test_anomaly_mode_on_only_during_window() -> None:
+    seen: list[bool] = []
+    gw = train(Net("log"), "log", steps=8, on_nonfinite="skip", escalate_steps=3, anomaly_seen=seen)
+    assert seen == [False, False, False, True, True, True, False, False]
+    assert not torch.is_anomaly_enabled()
+    assert gw.engine.escalated is False
+
+
+def test_user_anomaly_setting_is_restored_after_window() -> None:
+    seen: list[bool] = []
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        train(Net("log"), "log", steps=7, on_nonfinite="skip", escalate_steps=2, anomaly_seen=seen)
+        assert torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled()
+    assert seen == [True] * 7
+    assert not torch.is_anomaly_enabled()
+
+
+def test_anomaly_off_after_run_closed_inside_window() -> None:
+    seen: list[bool] = []
+    train(Net("log"), "log", steps=4, on_nonfinite="skip", escalate_steps=5, anomaly_seen=seen)
+    assert seen[-1] is True  # the run ended inside the window
+    assert not torch.is_anomaly_enabled()
+
+
+def test_recurrence_in_window_is_localized_from_the_live_step() -> None:
+    gw = train(Net("sqrt"), "sqrt", steps=5, bad_step=(2, 3), on_nonfinite="skip")
+    by_step = {f.step: f for f in origins(gw)}
+    assert by_step[2].data["replayed"] is True
+    assert by_step[3].data["replayed"] is False
+    assert (by_step[3].op, by_step[3].module) == ("SqrtBackward0", "encoder.distance")
+    assert by_step[3].data["forward_traceback"] and "torch.sqrt" in by_step[3].data["forward_traceback"]
+
+
+def test_no_module_hooks_outside_window() -> None:
+    model = Net("log")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = []
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip", escalate_steps=2):
+        for step in range(6):
+            loss = model(batch(step, "log")).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            counts.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+    healthy = counts[0]
+    window = healthy + 2 * len(list(model.modules())) + 1  # localizer enter/exit per module + window end
+    assert counts == [healthy, healthy, window, window, healthy, healthy]
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_escalate_false_no_replay_no_anomaly() -> None:
+    seen: list[bool] = []
+    gw = train(Net("log"), "log", steps=5, on_nonfinite="skip", escalate=False, anomaly_seen=seen)
+    assert [f.kind for f in gw.findings] == ["nonfinite_loss", "nonfinite_grad"]
+    assert seen == [False] * 5
+    assert gw.engine.extension(Escalation).localizations == []
+
+
+# -- the replay leaves no trace --------------------------------------------------------------------
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.3)
+        self.encoder = nn.Sequential(OrderedDict([("distance", Source("sqrt"))]))
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.drop(self.bn(x)) * 0 + x))
+
+
+def _run_until_bad(watch: bool) -> dict[str, Any]:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.manual_seed(123)
+    gw = gradwatch.watch(model, opt, console=False, on_nonfinite="warn") if watch else None
+    state: dict[str, Any] = {}
+    try:
+        for step in range(BAD_STEP + 1):
+            loss = model(batch(step, "sqrt")).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == BAD_STEP:
+                state["grads_before"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if watch or step < BAD_STEP:
+                opt.step()
+        state["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+        state["rng"] = torch.get_rng_state()
+        state["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        state["findings"] = list(gw.findings) if gw is not None else []
+    finally:
+        if gw is not None:
+            gw.close()
+    return state
+
+
+def test_replay_leaves_buffers_rng_and_grads_untouched() -> None:
+    plain = _run_until_bad(watch=False)
+    watched = _run_until_bad(watch=True)
+    assert any(f.kind == "nan_origin" and f.data["replayed"] for f in watched["findings"])
+    for name, b in plain["buffers"].items():
+        assert torch.equal(watched["buffers"][name], b), name
+    assert torch.equal(watched["rng"], plain["rng"])
+    for name, g in plain["grads_before"].items():
+        torch.testing.assert_close(watched["grads"][name], g, rtol=0, atol=0, equal_nan=True)
+
+
+# -- incident reports ------------------------------------------------------------------------------
+def test_incident_files_written_and_readable(tmp_path: Any) -> None:
+    gw = train(Net("div"), "div", on_nonfinite="skip", log_dir=str(tmp_path), save_batch=True)
+    base = tmp_path / "incidents" / f"step_{BAD_STEP}"
+    record = json.loads((base.with_suffix(".json")).read_text())
+    kinds = [f["kind"] for f in record["findings"]]
+    assert "nan_origin" in kinds and "nonfinite_grad" in kinds
+    origin = next(f for f in record["findings"] if f["kind"] == "nan_origin")
+    assert (origin["op"], origin["module"]) == ("DivBackward0", "encoder.normalize")
+    assert record["layers"][0]["layer"] == "encoder.normalize.proj"
+    text = (base.with_suffix(".md")).read_text()
+    assert "DivBackward0" in text and "encoder.normalize" in text
+    blob = torch.load(base.with_suffix(".pt"))
+    assert torch.equal(blob["args"][0], batch(BAD_STEP, "div"))
+    assert origins(gw)[0].data["report"] == os.fspath(base.with_suffix(".md"))
+
+
+def test_no_batch_file_without_save_batch(tmp_path: Any) -> None:
+    train(Net("div"), "div", on_nonfinite="skip", log_dir=str(tmp_path))
+    files = sorted(os.listdir(tmp_path / "incidents"))
+    assert files == [f"step_{BAD_STEP}.json", f"step_{BAD_STEP}.md"]
+
+
+def test_origin_panel_in_console(text_console: Any) -> None:
+    train(Net("pow"), "pow", on_nonfinite="skip", console=text_console)
+    out = text_console.file.getvalue()
+    assert "nan_origin at step 2" in out
+    assert "Born in the forward pass of step 2: op PowBackward0 (Tensor.pow) in module encoder.power" in out
+    assert "return h.pow(1.5)" in out
+    assert "values from -1 to" in out  # the negative base
