@@ -40,12 +40,43 @@ class Config:
             later. ``"skip"``/``"raise"`` and same-step localization are then unavailable.
         histogram_every: Write gradient histograms every N checked steps (``0``: never; costly).
         tb_flush_every: Flush TensorBoard scalars to disk every N checked steps.
-        exploding_norm: Absolute bound on the total or a layer's gradient norm (``None``: no bound).
-        spike_factor: A norm this many robust spreads above its recent median is a spike.
-        window: Number of recent checked steps that the adaptive checks look back over.
-        vanishing_ratio: A layer whose gradient norm stays below this fraction of its parameters' norm
-            (and far below the other layers) over ``window`` steps is vanishing.
-        dead_steps: A layer whose gradient is exactly zero this many checked steps in a row is dead.
+        exploding_norm: Absolute bound on the total or a layer's gradient norm (``None``, the default: no
+            bound, because a good bound depends on the model and loss scale; the adaptive tests below need
+            no tuning).
+        exploding_ratio: A total gradient norm more than this many times the total parameter norm is
+            exploding even without history (e.g. at step 0). Default ``1e4``: healthy runs stay below about
+            1 (a gradient step of lr x grad must be small next to the weights), and unscaled AMP gradients
+            (x65536 at most, times a healthy <= 0.1) still stay clear of it. ``None`` turns it off.
+        spike_factor: The total gradient norm is spiking when it is more than this many times its median
+            over the last ``window`` checked steps *and* more than 5 robust standard deviations (MAD)
+            above it in log space; the loss is spiking when it is more than this many robust spreads
+            above its recent median (the spread is at least the median-to-90th-percentile distance and a
+            quarter of the median's size, so near-zero, heavy-tailed losses do not flag). Default
+            ``10``: a real explosion is orders of magnitude, while warm-up and learning-rate schedules
+            move norms by a few times over many steps, which the rolling median follows. Both tests wait
+            for 20 checked steps of history.
+        window: Number of recent checked steps that the adaptive checks look back over (median, MAD) and
+            that a vanishing layer must persist for. Default ``50``: long enough for robust statistics, short
+            enough to follow a learning-rate schedule.
+        vanishing_ratio: A layer is vanishing when its relative gradient ``||grad|| / ||weights||`` stays
+            below this fraction of the typical layer's (the 75th percentile over layers) for ``window``
+            checked steps in a row. Default ``1e-4``: in a 10-layer sigmoid MLP the first layers sit at
+            1e-5 to 1e-7 of it, while healthy networks keep every layer within about 1e-2 of it (the
+            embedding of a 50k-token Transformer sits at ~2e-3). Needs parameter norms
+            (``update_ratio_every > 0``); until the first are measured, layers are not compared.
+        dead_steps: A layer whose gradient is exactly zero this many checked steps in a row, while other
+            layers' are not, is dead. Default ``20``: a live ReLU layer gets a zero gradient on a whole
+            batch rarely and never for long.
+        update_ratio_every: Measure parameter norms and the update-to-weight ratio
+            ``||p_after - p_before|| / ||p_before||`` per layer every N checked steps (logged as
+            ``gradwatch/update_ratio/<layer>``). Costs one copy of the parameters for one step in N.
+            Default ``100``; ``0`` turns it (and the parameter-scale part of ``vanishing_grad`` and
+            ``exploding_ratio``) off.
+        update_ratio_band: ``(low, high)``: a layer whose update-to-weight ratio stays outside this band
+            for 5 measurements in a row is reported. Default ``(1e-6, 0.1)``: the usual band is around
+            1e-3; above 0.1 the weights change by a tenth every step (learning rate too high), below 1e-6
+            they barely move (learning rate far too low, or a scale problem). Exactly zero updates (a
+            frozen layer, ``lr=0``) are not reported.
         rate_limit: Print at most this many findings of one kind to the console (all are recorded).
     """
 
@@ -62,10 +93,13 @@ class Config:
     histogram_every: int = 0
     tb_flush_every: int = 50
     exploding_norm: float | None = None
+    exploding_ratio: float | None = 1e4
     spike_factor: float = 10.0
     window: int = 50
-    vanishing_ratio: float = 1e-7
+    vanishing_ratio: float = 1e-4
     dead_steps: int = 20
+    update_ratio_every: int = 100
+    update_ratio_band: tuple[float, float] = (1e-6, 0.1)
     rate_limit: int = 3
 
     def __post_init__(self) -> None:
@@ -126,6 +160,17 @@ def _validate(c: Config) -> None:
         _check_positive("exploding_norm", c.exploding_norm)
     _check_positive("spike_factor", c.spike_factor)
     _check_positive("vanishing_ratio", c.vanishing_ratio)
+    if c.exploding_ratio is not None:
+        _check_positive("exploding_ratio", c.exploding_ratio)
+    _check_int("update_ratio_every", c.update_ratio_every, minimum=0)
+    band = c.update_ratio_band
+    if (
+        not isinstance(band, (tuple, list))
+        or len(band) != 2
+        or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0 for b in band)
+        or band[0] >= band[1]
+    ):
+        raise ValueError(f"update_ratio_band={band!r} must be (low, high) with 0 < low < high, e.g. (1e-6, 0.1)")
     if c.deferred and c.on_nonfinite != "warn":
         raise ValueError(
             f"deferred=True reads each step's statistics one step late, so on_nonfinite={c.on_nonfinite!r} "

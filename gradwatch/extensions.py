@@ -13,6 +13,11 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker())
+    from gradwatch.dashboard import Dashboard
+    from gradwatch.magnitude import MagnitudeExtension
+
+    exts.append(MagnitudeExtension())
+    exts.append(Dashboard())
     from gradwatch.escalation import Escalation
 
     exts.append(Escalation(integration=integration))

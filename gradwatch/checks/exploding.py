@@ -1,0 +1,182 @@
+"""``exploding_grad``: a gradient norm far too large, by an absolute bound, for the weights, or for this run.
+
+Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`):
+
+- the norm of the gradient (total or one layer's) overflows float32 although every element is finite;
+- the total or a layer's norm is above ``exploding_norm`` (if set);
+- the total gradient norm is more than ``exploding_ratio`` times the total parameter norm (needs no
+  history, so it also catches a run that explodes from step 0);
+- a spike: the total norm is more than ``spike_factor`` times its median over the last ``window`` checked
+  steps and more than 5 robust standard deviations (MAD) above it in log space. Because the median rolls,
+  warm-up and learning-rate schedules, which move norms gradually, do not trigger it.
+
+A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.magnitude import median, param_norms_of, remember_param_norms, robust_spread
+from gradwatch.stats import StepStats, layer_norms
+
+#: Checked steps of history the spike test waits for.
+MIN_HISTORY = 20
+#: Robust standard deviations (log space) a spike must also clear, so noisy runs need a bigger jump.
+SPREADS = 5.0
+#: Checked steps without an explosion before a new one is reported again.
+REARM = 10
+
+_KEY = "exploding"
+
+
+def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
+    """Config-free facts about this step (the check and ``remember`` both use them)."""
+    if not stats.names or stats.is_nonfinite:
+        return None
+    i = stats.optimizer_index
+    layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
+    recent = history.total_norms.get(i, ())
+    m, spread = robust_spread(math.log(v) for v in recent if v > 0)
+    total = stats.total_norm
+    params = param_norms_of(stats, history)
+    param_total = math.sqrt(sum(v * v for v in params.values())) if params else None
+    excess = math.log(total) - m if total > 0 and math.isfinite(total) and math.isfinite(m) else None
+    # The layer that jumped most against its own recent median (or the largest one without history).
+    jumps: dict[str, float] = {}
+    past = history.layer_norms.get(i, {})
+    for name, v in layers.items():
+        med = median(past.get(name, ()))
+        if math.isfinite(med) and med > 0:
+            jumps[name] = v / med
+    where = max(jumps, key=lambda k: jumps[k]) if jumps else (max(layers, key=lambda k: layers[k]) if layers else None)
+    return {
+        "total": total,
+        "layers": layers,
+        "overflow": tuple(stats.overflow_norm),
+        "n": len(recent),
+        "median": math.exp(m) if math.isfinite(m) else None,
+        "excess": excess,
+        "spread": spread if math.isfinite(spread) else 0.0,
+        "param_total": param_total,
+        "where": where,
+        "jump": jumps.get(where) if where is not None else None,
+    }
+
+
+def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
+    reasons: list[str] = []
+    if facts["overflow"]:
+        return ["overflow"]
+    bound = config.exploding_norm
+    if bound is not None:
+        if facts["total"] > bound or any(v > bound for v in facts["layers"].values()):
+            reasons.append("bound")
+    pt = facts["param_total"]
+    if config.exploding_ratio is not None and pt and facts["total"] > config.exploding_ratio * pt:
+        reasons.append("ratio")
+    excess = facts["excess"]
+    if facts["n"] >= MIN_HISTORY and excess is not None:
+        if excess > math.log(config.spike_factor) and excess > SPREADS * facts["spread"]:
+            reasons.append("spike")
+    return reasons
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    facts = _measure(stats, history)
+    if facts is None:
+        return []
+    reasons = _reasons(facts, config)
+    if not reasons:
+        return []
+    recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
+    if any(_reasons(f, config) for f in recent):
+        return []  # the same episode: reported already
+    return [_finding(stats, facts, reasons, config)]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    remember_param_norms(stats, history)
+    facts = _measure(stats, history)
+    if facts is None:
+        return
+    per_opt = history.memory.setdefault(_KEY, {})
+    per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
+
+
+def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
+    total = facts["total"]
+    where = facts["where"]
+    layers: dict[str, float] = facts["layers"]
+    what: list[str] = []
+    if "overflow" in reasons:
+        what.append(
+            f"the gradient norm of {', '.join(facts['overflow'][:4])} overflows float32 (inf) although every "
+            "element is finite"
+        )
+        where = None
+        for name, m in zip(stats.names, stats.modules):
+            if name in facts["overflow"]:
+                where = "<root>" if m == "" else m
+                break
+    if "bound" in reasons:
+        over = {k: v for k, v in layers.items() if v > (config.exploding_norm or math.inf)}
+        if over:
+            where = max(over, key=lambda k: over[k])
+        what.append(f"the gradient norm {_f(total)} is above exploding_norm={config.exploding_norm:g}")
+    if "ratio" in reasons:
+        what.append(
+            f"the gradient norm {_f(total)} is {total / facts['param_total']:.3g}x the norm of the weights "
+            f"({_f(facts['param_total'])}; exploding_ratio={config.exploding_ratio:g})"
+        )
+    if "spike" in reasons:
+        med = facts["median"]
+        what.append(
+            f"the gradient norm jumped to {_f(total)}, {total / med:.3g}x its median of {_f(med)} over the "
+            f"last {facts['n']} checked steps"
+        )
+    if where is not None and where in layers and "overflow" not in reasons:
+        jump = facts.get("jump")
+        detail = f" (norm {_f(layers[where])}" + (f", {jump:.3g}x its own median)" if jump else ")")
+        place = f"Largest in module {where}{detail}."
+    elif where is not None:
+        place = f"In module {where}."
+    else:
+        place = ""
+    message = (
+        f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n"
+        "Why it matters: an update this large throws the weights far from where training was: the loss "
+        "jumps or diverges, and Adam's moment estimates stay polluted for many steps.\n"
+        "Fix: clip gradients (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0) between "
+        "backward() and optimizer.step()), lower the learning rate or lengthen its warm-up, and check the "
+        "batch for outliers; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
+        "LSTM/GRU; for deep nets add normalization or residual connections."
+    )
+    top = sorted(layers.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:5]
+    return Finding(
+        kind="exploding_grad",
+        step=stats.step,
+        severity="error" if "overflow" in reasons else "warning",
+        message=message,
+        module=where,
+        data={
+            "reasons": reasons,
+            "total_norm": total,
+            "median_norm": facts["median"],
+            "param_norm": facts["param_total"],
+            "optimizer": stats.optimizer_index,
+            "overflow": list(facts["overflow"]),
+            "table": [{"layer": k, "grad_norm": v} for k, v in top],
+        },
+    )
+
+
+def _f(v: float | None) -> str:
+    if v is None:
+        return "?"
+    return f"{v:.3g}" if math.isfinite(v) else str(v)

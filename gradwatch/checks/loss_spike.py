@@ -1,0 +1,84 @@
+"""``loss_spike``: the loss jumps far above its recent robust range.
+
+The loss comes from ``observe_loss`` (plain loop) or the training loss (Lightning). A spike is a loss more
+than ``spike_factor`` robust spreads above its median over the last ``window`` checked steps. The spread
+is the largest of: the MAD scaled to a standard deviation, the distance from the median to the 90th
+percentile (losses close to zero are heavy-tailed: a few batches at 10x the median are normal), and a
+quarter of the median's size (so a run whose loss has flattened does not flag ordinary batch noise). Waits for 20 losses of history; a
+persisting spike is reported once, and again only after 10 checked steps without one. Decreases never
+count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.magnitude import quantile, robust_spread
+
+#: Losses of history the test waits for.
+MIN_HISTORY = 20
+#: Smallest spread, as a fraction of the median's size.
+MIN_RELATIVE_SPREAD = 0.25
+#: Checked steps without a spike before a new one is reported.
+REARM = 10
+
+_KEY = "loss_spike"
+
+
+def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | None:
+    loss = stats.loss
+    if loss is None or stats.loss_nonfinite or not math.isfinite(loss) or len(history.losses) < MIN_HISTORY:
+        return None
+    m, spread = robust_spread(history.losses)
+    if not math.isfinite(m):
+        return None
+    # Losses near their floor are heavy-tailed (most batches ~0, a few 10x that): the upper tail of the
+    # recent losses is part of their normal range, so the spread is at least 90th percentile - median.
+    tail = quantile(history.losses, 0.9) - m
+    spread = max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), 1e-12)
+    return loss, m, spread, len(history.losses)
+
+
+def _spiking(facts: tuple[float, float, float, int], config: Config) -> bool:
+    loss, m, spread, _ = facts
+    return loss > m + config.spike_factor * spread
+
+
+def check(stats: Any, history: History, config: Config) -> list[Finding]:
+    facts = _facts(stats, history)
+    if facts is None or not _spiking(facts, config):
+        return []
+    if any(_spiking(f, config) for f in history.memory.get(_KEY, ())):
+        return []
+    loss, m, spread, n = facts
+    return [
+        Finding(
+            kind="loss_spike",
+            step=stats.step,
+            severity="warning",
+            message=(
+                f"Loss spike at step {stats.step}: the loss is {loss:.4g}, {(loss - m) / spread:.3g} robust spreads "
+                f"above its median of {m:.4g} over the last {n} checked steps (spread {spread:.3g}).\n"
+                "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
+                "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
+                "Fix: lower the learning rate or lengthen warm-up, clip gradients "
+                "(torch.nn.utils.clip_grad_norm_), and check this step's batch for bad samples or labels; "
+                "with mixed precision, check for overflow in the loss."
+            ),
+            data={"loss": loss, "median": m, "spread": spread, "optimizer": stats.optimizer_index},
+        )
+    ]
+
+
+def remember(stats: Any, history: History) -> None:
+    facts = _facts(stats, history)
+    if stats.loss is None:
+        return
+    recent = history.memory.setdefault(_KEY, deque(maxlen=REARM))
+    if facts is not None:
+        recent.append(facts)

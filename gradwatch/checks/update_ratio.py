@@ -1,0 +1,102 @@
+"""``update_ratio``: a layer whose measured update-to-weight ratio stays far outside the usual band.
+
+The ratio ``||p_after - p_before|| / ||p_before||`` is measured by :mod:`gradwatch.magnitude` every
+``update_ratio_every`` checked steps, from the update the optimizer actually applied (so it is right for
+Adam, momentum and weight decay). Around 1e-3 is usual. A layer whose ratio stays above the band's high
+end (default 0.1) for :data:`PATIENCE` measurements in a row is changing too fast to learn; below the low
+end (default 1e-6) it barely moves. Exactly zero updates (frozen by ``lr=0``, or skipped) are ignored.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, names_text
+from gradwatch.history import History
+from gradwatch.magnitude import newly_sustained
+from gradwatch.stats import StepStats
+
+#: Measurements in a row a ratio must stay outside the band.
+PATIENCE = 5
+
+_KEY = "update_ratio"
+
+
+def _ratios(stats: StepStats) -> dict[str, float]:
+    r = stats.extra.get("update_ratio")
+    if not isinstance(r, dict) or stats.is_nonfinite:
+        return {}
+    return {k: v for k, v in r.items() if v > 0}
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    ratios = _ratios(stats)
+    if not ratios:
+        return []
+    low, high = config.update_ratio_band
+    past = history.memory.get(_KEY, {}).get(stats.optimizer_index, {})
+    too_high = [k for k, v in ratios.items() if newly_sustained(past.get(k, ()), v > high, lambda x: x > high, PATIENCE)]
+    too_low = [k for k, v in ratios.items() if newly_sustained(past.get(k, ()), v < low, lambda x: x < low, PATIENCE)]
+    out: list[Finding] = []
+    every = config.update_ratio_every
+    span = f"{PATIENCE} measurements in a row (one every {every} checked steps)"
+    if too_high:
+        out.append(
+            Finding(
+                kind="update_ratio_high",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"Updates too large at step {stats.step} in {len(too_high)} layer(s): {names_text(too_high)}. "
+                    f"Each optimizer step changed their weights by {_span(ratios, too_high)} of their norm "
+                    f"for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
+                    "Why it matters: weights that change by a large fraction every step jump around instead "
+                    "of converging; the loss gets noisy or diverges.\n"
+                    "Fix: lower the learning rate (for these layers: a parameter group with a smaller lr), "
+                    "add warm-up, or clip gradients; check that weight decay is not huge."
+                ),
+                module=too_high[0],
+                data={"layers": too_high, "ratios": {k: ratios[k] for k in too_high}, "band": [low, high],
+                      "optimizer": stats.optimizer_index},
+            )
+        )
+    if too_low:
+        out.append(
+            Finding(
+                kind="update_ratio_low",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"Updates too small at step {stats.step} in {len(too_low)} layer(s): {names_text(too_low)}. "
+                    f"Each optimizer step changed their weights by only {_span(ratios, too_low)} of their "
+                    f"norm for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
+                    "Why it matters: these layers effectively do not train.\n"
+                    "Fix: raise the learning rate (check the scheduler did not drive it to ~0 and that the "
+                    "parameter group's lr is what you meant); for layers with very large weights, check the "
+                    "init; if they should not train, freeze them with requires_grad_(False)."
+                ),
+                module=too_low[0],
+                data={"layers": too_low, "ratios": {k: ratios[k] for k in too_low}, "band": [low, high],
+                      "optimizer": stats.optimizer_index},
+            )
+        )
+    return out
+
+
+def remember(stats: StepStats, history: History) -> None:
+    ratios = _ratios(stats)
+    if not ratios:
+        return
+    past = history.memory.setdefault(_KEY, {}).setdefault(stats.optimizer_index, {})
+    for k in list(past):
+        if k not in ratios:
+            del past[k]
+    for k, v in ratios.items():
+        past.setdefault(k, deque(maxlen=PATIENCE)).append(v)
+
+
+def _span(ratios: dict[str, float], layers: list[str]) -> str:
+    lo = min(ratios[k] for k in layers)
+    hi = max(ratios[k] for k in layers)
+    return f"{lo:.2g}" if lo == hi else f"{lo:.2g} to {hi:.2g}"

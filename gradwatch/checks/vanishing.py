@@ -1,0 +1,102 @@
+"""``vanishing_grad``: layers whose gradients stay tiny for their weights and next to the other layers.
+
+A layer's *relative gradient* is ``||grad|| / ||weights||``: how fast gradient descent can move it. A layer
+is vanishing when its relative gradient stays below ``vanishing_ratio`` times the typical layer's (the
+75th percentile over layers) for ``window`` checked steps in a row. Comparing with the other layers
+makes the test independent of the loss scale and the learning rate; requiring it to persist keeps single
+quiet batches out. Parameter norms come from :mod:`gradwatch.magnitude` (every ``update_ratio_every``
+checked steps; weights change slowly in between). Layers with exactly zero gradients are left to
+``dead_layer``. Reported once per layer, again only after it recovered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, names_text
+from gradwatch.history import History
+from gradwatch.magnitude import newly_sustained, param_norms_of, quantile, remember_param_norms
+from gradwatch.stats import StepStats, layer_norms
+
+#: Fewest layers with a measurable relative gradient before layers are compared.
+MIN_LAYERS = 3
+
+_KEY = "vanishing"
+
+
+def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
+    """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
+    if not stats.names or stats.is_nonfinite:
+        return {}
+    params = param_norms_of(stats, history)
+    if not params:
+        return {}
+    layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
+    rel = {
+        k: g / params[k]
+        for k, g in layers.items()
+        if g > 0 and math.isfinite(g) and params.get(k, 0.0) > 0 and math.isfinite(params[k])
+    }
+    if len(rel) < MIN_LAYERS:
+        return {}
+    typical = quantile(rel.values(), 0.75)
+    if not typical > 0:
+        return {}
+    return {k: v / typical for k, v in rel.items()}
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    rel = relative_to_typical(stats, history)
+    if not rel:
+        return []
+    past = history.memory.get(_KEY, {}).get(stats.optimizer_index, {})
+    thr = config.vanishing_ratio
+    n = config.window
+    new = [
+        k
+        for k, v in rel.items()
+        if newly_sustained(past.get(k, ()), v < thr, lambda x: x < thr, n)
+    ]
+    if not new:
+        return []
+    rows = [{"layer": k, "relative_to_typical": rel[k]} for k in new]
+    worst = min(rel[k] for k in new)
+    best = max(rel[k] for k in new)
+    return [
+        Finding(
+            kind="vanishing_grad",
+            step=stats.step,
+            severity="warning",
+            message=(
+                f"Vanishing gradient at step {stats.step} in {len(new)} layer(s): {names_text(new)}. For "
+                f"the last {n} checked steps their gradient, relative to their weights, stayed below "
+                f"{thr:g} of the typical layer's (now {worst:.2g}"
+                + (f" to {best:.2g}" if best != worst else "")
+                + ").\nWhy it matters: these layers barely learn while the others do; in a deep stack the "
+                "early layers stay near their random init and the network behaves like a much shallower one.\n"
+                "Fix: replace saturating activations (sigmoid/tanh) with ReLU, LeakyReLU or GELU; use an "
+                "init matched to the activation (nn.init.kaiming_normal_ for ReLU, xavier for tanh); add "
+                "normalization (BatchNorm/LayerNorm) or residual connections; or make the network shallower."
+            ),
+            module=new[0],
+            data={"layers": new, "relative_to_typical": {k: rel[k] for k in new}, "table": rows,
+                  "optimizer": stats.optimizer_index},
+        )
+    ]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    remember_param_norms(stats, history)
+    if not stats.names or stats.is_nonfinite:
+        return
+    rel = relative_to_typical(stats, history)
+    if not rel:
+        return
+    past = history.memory.setdefault(_KEY, {}).setdefault(stats.optimizer_index, {})
+    for k in list(past):
+        if k not in rel:
+            del past[k]  # no gradient (or exactly zero) this step: the streak is broken
+    for k, v in rel.items():
+        past.setdefault(k, deque(maxlen=history.window)).append(v)

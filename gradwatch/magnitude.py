@@ -1,0 +1,210 @@
+"""Observe: parameter norms and measured update-to-weight ratios, every N checked steps, in the step's one sync.
+
+Gradient norms alone cannot say whether a gradient is large or small *for its layer*: that needs the scale
+of the layer's weights. And what the optimizer does with a gradient (Adam rescales it, momentum smooths
+it) only shows in the update it applies. This extension measures both, cheaply:
+
+- every ``update_ratio_every`` checked steps it queues ``||p||`` per parameter (one fused
+  ``_foreach_norm``) into the step's :class:`~gradwatch.stats.SyncBatch`, and keeps a copy of the
+  parameters (``p_before``);
+- at the next checked step it queues ``||p_now - p_before||`` (in place in the copy, one fused norm) and
+  drops the copy. The ratio ``||p_after - p_before|| / ||p_before||`` per layer is the update-to-weight
+  ratio, right for any optimizer (Adam, momentum, weight decay included).
+
+Nothing is read back outside the step's single ``SyncBatch.resolve()``. The copy costs one model's worth
+of memory for one step in every N.
+
+What it adds to ``StepStats.extra`` (read by ``checks/exploding.py``, ``checks/vanishing.py`` and
+``checks/update_ratio.py``):
+
+- ``param_norms``: ``{layer: ||params of the layer||}`` on measuring steps;
+- ``update_ratio``: ``{layer: ratio}`` on the step after a measuring step (divided by the number of
+  optimizer steps in between when ``every > 1``);
+- ``scalars``: ``gradwatch/update_ratio/<layer>`` for TensorBoard.
+
+Also small robust-statistics helpers (median, MAD) the magnitude checks share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from gradwatch.stats import layer_norms, queue_grad_norms, read_grad_norms
+
+#: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
+MAD_TO_STD = 1.4826
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of finite values (``nan`` for none)."""
+    v = sorted(x for x in values if math.isfinite(x))
+    if not v:
+        return math.nan
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def robust_spread(values: Iterable[float]) -> tuple[float, float]:
+    """``(median, spread)`` where spread is the MAD scaled to a standard deviation."""
+    v = [x for x in values if math.isfinite(x)]
+    m = median(v)
+    if not v:
+        return math.nan, math.nan
+    return m, MAD_TO_STD * median(abs(x - m) for x in v)
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank quantile of finite values (``nan`` for none)."""
+    v = sorted(x for x in values if math.isfinite(x))
+    if not v:
+        return math.nan
+    return v[min(len(v) - 1, max(0, int(round(q * (len(v) - 1)))))]
+
+
+def layer_key(module: str | None) -> str:
+    """The layer name used in ``StepStats.layer_norms`` for a parameter's owning module."""
+    return "<root>" if module == "" else ("<foreign>" if module is None else module)
+
+
+def param_norms_of(stats: Any, history: Any) -> dict[str, float]:
+    """Per-layer parameter norms: this step's measurement, else the latest remembered one."""
+    now = stats.extra.get("param_norms")
+    if isinstance(now, dict):
+        return now
+    return history.memory.get("param_norms", {}).get(stats.optimizer_index, {})
+
+
+def remember_param_norms(stats: Any, history: Any) -> None:
+    """Keep the latest per-layer parameter norms (parameters change slowly between measurements)."""
+    now = stats.extra.get("param_norms")
+    if isinstance(now, dict):
+        history.memory.setdefault("param_norms", {})[stats.optimizer_index] = now
+
+
+def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
+    """True when a condition has just held for ``n`` observations in a row (not already before).
+
+    ``previous`` holds the earlier observations (newest last, at least ``n`` kept); ``held(value)`` says
+    whether the condition held for one of them; ``current`` says whether it holds now. Firing only at the
+    crossing reports a persisting condition once, and again after it recovered and came back.
+    """
+    if not current:
+        return False
+    prev = list(previous)
+    k = n - 1
+    if len(prev) < k or not all(held(v) for v in (prev[len(prev) - k :] if k > 0 else [])):
+        return False
+    return not (len(prev) >= n and all(held(v) for v in prev[len(prev) - n :]))
+
+
+@dataclass
+class _Snapshot:
+    params: list[torch.Tensor]
+    before: list[torch.Tensor]
+    modules: list[str | None]
+    step: int
+
+
+@dataclass
+class _Inflight:
+    param_slots: list[tuple[int, list[int]]] | None
+    param_modules: list[str | None]
+    update_slots: list[tuple[int, list[int]]] | None
+    before_slots: list[tuple[int, list[int]]] | None
+    update_modules: list[str | None]
+    update_steps: int
+
+
+class MagnitudeExtension:
+    """Measures per-layer parameter norms and update-to-weight ratios every ``update_ratio_every`` checks.
+
+    Attached by :func:`gradwatch.extensions.default_extensions` for both integrations. With
+    ``update_ratio_every=0`` it does nothing.
+
+    Logged scalars:
+        ``gradwatch/update_ratio/<layer>``: ``||p_after - p_before|| / ||p_before||`` of the layer's
+        parameters over one optimizer step.
+    """
+
+    def __init__(self) -> None:
+        self.every = 0
+        self._counts: dict[int, int] = {}
+        self._snapshots: dict[int, _Snapshot] = {}
+        self._inflight: dict[int, _Inflight] = {}
+
+    def attach(self, engine: Any) -> None:
+        self.every = int(getattr(engine.config, "update_ratio_every", 0) or 0)
+
+    def before_sync(self, ctx: Any) -> None:
+        if self.every <= 0:
+            return
+        i = ctx.stats.optimizer_index
+        count = self._counts.get(i, 0)
+        self._counts[i] = count + 1
+        info = _Inflight(None, [], None, None, [], 0)
+        snap = self._snapshots.pop(i, None)
+        if snap is not None:
+            steps = ctx.stats.step - snap.step
+            pairs = [
+                (p, b, m)
+                for p, b, m in zip(snap.params, snap.before, snap.modules)
+                if p.shape == b.shape and p.device == b.device and p.dtype == b.dtype
+            ]
+            if steps >= 1 and pairs:
+                before = [b for _, b, _ in pairs]
+                info.before_slots = queue_grad_norms(ctx.batch, before)
+                # In place in our own copy: before <- before - now; its norm is the update's norm.
+                torch._foreach_sub_(before, [p.detach() for p, _, _ in pairs])
+                info.update_slots = queue_grad_norms(ctx.batch, before)
+                info.update_modules = [m for _, _, m in pairs]
+                info.update_steps = steps
+        if count % self.every == 0 and ctx.params:
+            params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
+            modules = [m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta]
+            if params:
+                info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
+                info.param_modules = modules
+                with torch.no_grad():
+                    before = [p.detach().clone() for p in params]
+                self._snapshots[i] = _Snapshot(params, before, modules, ctx.stats.step)
+        if info.param_slots is not None or info.update_slots is not None:
+            self._inflight[id(ctx)] = info
+
+    def after_sync(self, ctx: Any) -> None:
+        info = self._inflight.pop(id(ctx), None)
+        if info is None:
+            return
+        values = ctx.batch.resolve()
+        extra = ctx.stats.extra
+        if info.param_slots is not None:
+            norms = read_grad_norms(values, info.param_slots, len(info.param_modules))
+            extra["param_norms"] = layer_norms(info.param_modules, norms)
+        if info.update_slots is not None and info.before_slots is not None:
+            n = len(info.update_modules)
+            before = layer_norms(info.update_modules, read_grad_norms(values, info.before_slots, n))
+            update = layer_norms(info.update_modules, read_grad_norms(values, info.update_slots, n))
+            ratios: dict[str, float] = {}
+            for layer, u in update.items():
+                w = before.get(layer, 0.0)
+                if w > 0 and math.isfinite(u) and math.isfinite(w):
+                    ratios[layer] = u / w / max(1, info.update_steps)
+            if ratios and any(r > 0 for r in ratios.values()):  # all zero: no update happened (skipped)
+                extra["update_ratio"] = ratios
+                scalars = extra.setdefault("scalars", {})
+                for layer, r in ratios.items():
+                    scalars[f"gradwatch/update_ratio/{layer}"] = r
+
+    def after_step(self, stats: Any, decision: str) -> None:
+        if decision == "skip":
+            # The update of this step is suppressed: there is nothing to measure.
+            snap = self._snapshots.get(stats.optimizer_index)
+            if snap is not None and snap.step == stats.step:
+                del self._snapshots[stats.optimizer_index]
+
+    def close(self) -> None:
+        self._snapshots.clear()
+        self._inflight.clear()
