@@ -257,7 +257,9 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         if i in self._in_step and i in self._checked:
             return  # LBFGS calls the closure, and with it this hook, several times per step
         if i in self._checked:
-            self._finish(i)  # the previous step of this optimizer never ran (an AMP scaler skipped it)
+            # The previous step of this optimizer never ran (an AMP scaler skipped it); this step's
+            # backward already happened, so keep its flag.
+            self._finish(i, new_cycle=False)
         self._checked.add(i)
         if self._automatic and not self._backward_seen:
             return  # training_step returned None: Lightning skips backward and the step updates nothing
@@ -276,9 +278,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         elif self.engine is not None:
             self.engine.step_done(index)
 
-    def _finish(self, index: int) -> None:
+    def _finish(self, index: int, new_cycle: bool = True) -> None:
         self._checked.discard(index)
-        self._backward_seen = False
+        if new_cycle:
+            self._backward_seen = False
         engine = self.engine
         if engine is None:
             return

@@ -220,6 +220,20 @@ def test_every_keeps_a_cadence_per_optimizer(lightning_pytorch: Any) -> None:
     assert sorted(cb.engine.history.last) == [0, 1]
 
 
+def test_amp_scaler_skipped_steps_are_counted(lightning_pytorch: Any) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu")  # fp16 on CPU: the first steps overflow and the scaler skips them
+    cb = GradWatchCallback(console=False)
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=5, plugins=[plugin])
+    trainer.fit(tiny_module(lightning_pytorch))
+    assert scaler.get_scale() < 2.0**16  # some steps really were skipped by the scaler
+    assert cb.engine is not None
+    assert cb.engine.step_counts == [5] and cb.engine.steps_checked == 5
+    assert cb.engine.steps_skipped == 0  # the scaler skipped them, not gradwatch
+
+
 # -- what gets named -------------------------------------------------------------------------------
 def test_unused_submodule_is_named(lightning_pytorch: Any, text_console: Any) -> None:
     cb = GradWatchCallback(console=text_console)
@@ -301,10 +315,11 @@ def test_findings_print_with_a_progress_bar(lightning_pytorch: Any, bar: str, ca
     progress = getattr(lightning_pytorch.callbacks, bar)()
     trainer = tiny_trainer(lightning_pytorch, [cb, progress], max_steps=4, enable_progress_bar=True)
     trainer.fit(tiny_module(lightning_pytorch, nan_at=1))
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert trainer.global_step == 4
-    assert "nonfinite_grad at step 1" in out
-    assert "gradwatch skipped this update" in out
+    assert "Epoch 0" in captured.out + captured.err  # the bar itself rendered
+    assert "nonfinite_grad at step 1" in captured.out
+    assert "gradwatch skipped this update" in captured.out
 
 
 # -- exceptions and teardown -----------------------------------------------------------------------
