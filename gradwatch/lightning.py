@@ -95,7 +95,13 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
     - ``gradwatch/skipped_steps``: updates skipped so far because of NaN/Inf.
     - ``gradwatch/nonfinite_grads``: parameters with a NaN/Inf gradient at this step.
     - ``gradwatch/findings/<kind>``: findings of each kind so far.
-    - text ``gradwatch/findings``: every finding, with its explanation.
+    - ``gradwatch/update_ratio/<layer>``: ``||update|| / ||weights||`` of the layer, on measuring steps.
+    - ``gradwatch/amp/scale``, ``gradwatch/amp/overflow_steps``: the GradScaler's scale and the steps it
+      skipped (with ``precision="16-mixed"`` and a scaler).
+    - histograms ``gradwatch/grad_hist/<layer>`` and scalars ``gradwatch/grad_hist_nonfinite/<layer>``:
+      only with ``histogram_every > 0``.
+    - text ``gradwatch/findings``: every finding, with its explanation; plus a Custom Scalars layout
+      grouping the charts above.
 
     Each finding is also appended to ``gradwatch.jsonl`` next to the event files.
 
