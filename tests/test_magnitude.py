@@ -1,0 +1,375 @@
+"""Magnitude health: exploding, vanishing, dead, update ratio and loss spikes fire on their bug, stay silent
+on healthy training (with a learning-rate warm-up), and report a persisting condition once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch
+
+MAGNITUDE_KINDS = {"exploding_grad", "vanishing_grad", "dead_layer", "update_ratio_high", "update_ratio_low", "loss_spike"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny models: thread start-up costs more than the math, and the test machine may be oversubscribed.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+X = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+
+
+def batches(seed: int = 0) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.randint(0, 256, (32,), generator=g)
+        return X[i], Y[i]
+
+    return next_batch
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    next_batch: Callable[[], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor] = nn.functional.cross_entropy,
+    sched: Any = None,
+    before: Callable[[int, Any], Any] | None = None,
+    **config: Any,
+) -> gradwatch.Watcher:
+    with gradwatch.watch(model, opt, console=False, **config) as gw:
+        for step in range(steps):
+            x, y = next_batch()
+            if before is not None:
+                x = before(step, x)
+            loss = loss_fn(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+    return gw
+
+
+def magnitude(gw: gradwatch.Watcher) -> list[tuple[str, int, str | None]]:
+    return [(f.kind, f.step, f.module) for f in gw.findings if f.kind in MAGNITUDE_KINDS]
+
+
+def mlp(width: int = 64) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
+
+
+def warmup(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / steps))
+
+
+# -- must not flag ---------------------------------------------------------------------------------------
+
+
+def test_healthy_mlp_with_warmup_is_silent() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gw = train(model, opt, 300, batches(), sched=warmup(opt, 100), update_ratio_every=5)
+    assert magnitude(gw) == []
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 50, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)))
+
+
+def test_healthy_small_transformer_with_warmup_is_silent() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def reverse_task() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, 50, (8, 12), generator=g)
+        return x, x.flip(1)
+
+    gw = train(
+        model,
+        opt,
+        200,
+        reverse_task,
+        loss_fn=lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 50), y.reshape(-1)),
+        sched=warmup(opt, 50),
+        update_ratio_every=5,
+    )
+    assert magnitude(gw) == []
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, depth: int = 8, d: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(depth))
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+def test_healthy_deep_residual_network_is_not_vanishing() -> None:
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gw = train(model, opt, 150, batches(), update_ratio_every=10)
+    assert magnitude(gw) == []
+
+
+# -- exploding ---------------------------------------------------------------------------------------------
+
+
+class RNNRegressor(nn.Module):
+    def __init__(self, recurrent_scale: float) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(4, 32, batch_first=True)
+        self.head = nn.Linear(32, 1)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.normal_(0.0, recurrent_scale / math.sqrt(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def sequences(length: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(16, length, 4, generator=g)
+        return x, x[:, :, 0].mean(1, keepdim=True)
+
+    return next_batch
+
+
+def test_rnn_with_large_init_and_long_sequences_explodes_at_step_0() -> None:
+    torch.manual_seed(0)
+    model = RNNRegressor(recurrent_scale=4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = train(model, opt, 20, sequences(60), loss_fn=nn.functional.mse_loss)
+    exploding = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [(f.step, f.module) for f in exploding] == [(0, "rnn")]
+    assert "ratio" in exploding[0].data["reasons"]
+    assert "clip_grad_norm_" in exploding[0].message and "LSTM/GRU" in exploding[0].message
+
+
+def test_same_rnn_with_short_sequences_does_not_explode() -> None:
+    torch.manual_seed(0)
+    model = RNNRegressor(recurrent_scale=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = train(model, opt, 60, sequences(5), loss_fn=nn.functional.mse_loss)
+    assert magnitude(gw) == []
+
+
+def test_sudden_norm_spike_is_exploding_and_names_the_layer() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gw = train(model, opt, 110, batches(), before=lambda s, x: -1000 * x if s == 100 else x, update_ratio_every=0)
+    exploding = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [f.step for f in exploding] == [100]
+    assert exploding[0].data["reasons"] == ["spike"]
+    assert exploding[0].module in {"0", "2", "4"}  # the layer that jumped most against its own median
+    assert "its median of" in exploding[0].message
+
+
+def test_absolute_bound_exploding_norm() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gw = train(model, opt, 5, batches(), exploding_norm=1e-3)
+    exploding = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [f.step for f in exploding] == [0]  # persisting: reported once
+    assert "exploding_norm=0.001" in exploding[0].message
+
+
+def test_norm_overflowing_float32_with_finite_elements_is_exploding_not_nonfinite() -> None:
+    model = nn.Linear(4, 4)
+    with gradwatch.watch(model, console=False) as gw:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 3e37)  # finite, but the norm overflows float32
+        assert gw.check() is True  # not skipped: nothing is NaN/Inf
+    kinds = [f.kind for f in gw.findings]
+    assert kinds == ["exploding_grad"]
+    assert gw.findings[0].severity == "error" and "overflows float32" in gw.findings[0].message
+
+
+# -- vanishing -------------------------------------------------------------------------------------------
+
+
+def deep_sigmoid_mlp(depth: int = 10, width: int = 32) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    d = 16
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.Sigmoid()]
+        d = width
+    return nn.Sequential(*layers, nn.Linear(width, 2))
+
+
+def test_deep_sigmoid_mlp_has_vanishing_gradients_in_its_early_layers() -> None:
+    torch.manual_seed(0)
+    model = deep_sigmoid_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = train(model, opt, 80, batches())
+    vanishing = [f for f in gw.findings if f.kind == "vanishing_grad"]
+    assert len(vanishing) == 1  # persisting: reported once
+    f = vanishing[0]
+    assert f.step == gw.config.window - 1
+    assert f.data["layers"][:2] == ["0", "2"]  # the first layers, in model order
+    assert "20" not in f.data["layers"]  # the head is fine
+    assert "ReLU" in f.message and "residual" in f.message
+
+
+def test_same_depth_with_relu_is_not_vanishing() -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 32), nn.ReLU()]
+    for _ in range(9):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(32, 2))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = train(model, opt, 80, batches())
+    assert [k for k, _, _ in magnitude(gw)] == []
+
+
+# -- dead layer --------------------------------------------------------------------------------------------
+
+
+def test_dead_relu_layer_is_reported_once_at_dead_steps() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)  # every unit after layer 2 is negative: its ReLUs never fire
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gw = train(model, opt, 40, batches(), dead_steps=10)
+    dead = [f for f in gw.findings if f.kind == "dead_layer"]
+    assert [(f.step, f.data["layers"]) for f in dead] == [(9, ["0", "2"])]
+    assert "LeakyReLU" in dead[0].message
+    assert "2.bias" in dead[0].params
+
+
+def test_dead_layer_recovering_and_dying_again_is_reported_again() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the bias we set moves
+
+    def toggle(step: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            model[2].bias.fill_(-100.0 if step < 10 or step >= 15 else 0.0)
+        return x
+
+    gw = train(model, opt, 30, batches(), before=toggle, dead_steps=5)
+    assert [f.step for f in gw.findings if f.kind == "dead_layer"] == [4, 19]
+
+
+# -- update ratio ------------------------------------------------------------------------------------------
+
+
+def test_update_ratio_is_the_measured_adam_update() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    next_batch = batches()
+    layer0 = list(model[0].parameters())
+    with gradwatch.watch(model, opt, console=False, update_ratio_every=2) as gw:
+        for step in range(6):
+            x, y = next_batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if step == 4:  # a measuring step (every 2nd check); step 5 reads its update
+                before = [p.detach().clone() for p in layer0]
+            opt.step()
+            if step == 4:
+                after = [p.detach().clone() for p in layer0]
+        measured = gw.engine.history.last[0].extra["update_ratio"]
+    expected = math.sqrt(sum(float((a - b).norm()) ** 2 for a, b in zip(after, before))) / math.sqrt(
+        sum(float(b.norm()) ** 2 for b in before)
+    )
+    assert set(measured) == {"0", "2", "4"}
+    assert measured["0"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_update_ratio_far_too_high_is_reported_once() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    # A huge weight decay shrinks every weight by a quarter each step.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.5)
+    gw = train(model, opt, 20, batches(), update_ratio_every=1)
+    high = [f for f in gw.findings if f.kind == "update_ratio_high"]
+    assert len(high) == 1
+    assert high[0].step == 5  # 5 measurements: the updates of steps 0-4, read at steps 1-5
+    assert set(high[0].data["layers"]) == {"0", "2", "4"}
+    assert "lower the learning rate" in high[0].message
+
+
+def test_update_ratio_far_too_low_is_reported_and_lr_zero_is_not() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(
+        [
+            {"params": model[0].parameters(), "lr": 0.0},  # frozen through lr=0: intentional, silent
+            # ~3e-7 of these weights per step (still above float32 resolution, so the update is not 0)
+            {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 2e-8},
+        ]
+    )
+    gw = train(model, opt, 12, batches(), update_ratio_every=1)
+    low = [f for f in gw.findings if f.kind == "update_ratio_low"]
+    assert [(f.step, f.data["layers"]) for f in low] == [(5, ["2", "4"])]
+
+
+# -- loss spike ----------------------------------------------------------------------------------------------
+
+
+def test_loss_spike_from_a_corrupted_batch() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def corrupt_at_60(step: int, x: torch.Tensor) -> torch.Tensor:
+        return -50 * x if step == 60 else x  # confidently wrong on this batch
+
+    gw = train(model, opt, 70, batches(), before=corrupt_at_60, update_ratio_every=0)
+    spikes = [f for f in gw.findings if f.kind == "loss_spike"]
+    assert [f.step for f in spikes] == [60]
+    assert "robust spreads above its median" in spikes[0].message
+
+
+def test_near_zero_heavy_tailed_loss_is_not_a_spike() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # overfits: losses between 1e-6 and 1e-1
+    gw = train(model, opt, 250, batches(), update_ratio_every=0)
+    assert [f for f in gw.findings if f.kind == "loss_spike"] == []
+
+
+def test_config_rejects_a_bad_update_ratio_band() -> None:
+    with pytest.raises(ValueError, match=r"update_ratio_band=\(0.1, 0.001\)"):
+        gradwatch.Config(update_ratio_band=(0.1, 0.001))
