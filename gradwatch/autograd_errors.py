@@ -1,12 +1,766 @@
-"""Explain autograd errors (in-place modification, backward twice, no grad_fn, non-scalar backward)."""
+"""Explain autograd errors: in-place modification, backward twice, no grad_fn, non-scalar backward.
+
+:func:`explain` turns an exception raised by the training code into a :class:`~gradwatch.Finding` that
+names the op, the module and the step, says why PyTorch refused, and what to change. It only reads: the
+exception is never changed or swallowed (the integrations re-raise the original).
+
+Where the facts come from:
+
+- The message itself (op, shape, versions).
+- The exception's traceback: the loss tensor (``self`` of ``Tensor.backward``, ``tensors`` of
+  ``torch.autograd.backward``), and for errors raised during forward, the innermost frame whose ``self``
+  is a module of the watched model.
+- The autograd graph, walked from the loss: the node whose saved tensor raises the same error, its
+  neighbours, and the parameters (``AccumulateGrad.variable``) around it.
+- :class:`gradwatch.tracing.ForwardTracer` records on the first watched step and while escalated: the
+  exact module and source line of the op, and the in-place op that changed its output.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import linecache
+import os
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
-from gradwatch.findings import Finding
+import torch
+
+from gradwatch.findings import Finding, names_text
+from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, node_op
+
+#: Autograd nodes visited at most when walking a graph (the error path only).
+MAX_NODES = 200_000
+
+_INPLACE_BACKWARD = re.compile(
+    r"modified by an inplace operation: \[(?P<type>[^\s\]]+) \[(?P<shape>[\d, ]*)\]\]"
+    r"(?:, which is output (?P<index>\d+) of (?P<op>[\w:]+),)? is at version (?P<now>\d+); "
+    r"expected version (?P<expected>\d+) instead"
+)
+_VIEW_INPLACE = re.compile(r"Output (?P<index>\d+) of (?P<op>[\w:]+) is a view and is being modified inplace")
+_LEAF_INPLACE = ("a leaf Variable that requires grad is being used in an in-place operation",)
+_OTHER_FORWARD_INPLACE = (
+    "A view was created in no_grad mode and is being modified inplace",
+    "is a view of a leaf Variable that requires grad and is being used in an in-place operation",
+    "a view of a leaf Variable that requires grad is being used in an in-place operation",
+)
+_TWICE = "Trying to backward through the graph a second time"
+_NO_GRAD = "does not require grad and does not have a grad_fn"
+_NONSCALAR = "grad can be implicitly created only for"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_MARKERS = (os.sep + "lightning" + os.sep, os.sep + "pytorch_lightning" + os.sep, os.sep + "lightning_fabric" + os.sep)
+
+_CULPRITS = (
+    "Usual culprits: nn.ReLU(inplace=True) or F.relu(x, inplace=True) (use inplace=False); `x += y`, `x *= y` "
+    "(write `x = x + y`); `x[idx] = v` on a tensor autograd saved (build a new tensor: torch.where, "
+    "torch.cat, x.clone() first); torch.sigmoid_(x) / x.sigmoid_() and other ops ending in `_` (use the "
+    "out-of-place op)."
+)
+
+#: Forward ops (from node names) and the module classes that usually run them.
+_OP_MODULES = {
+    "Sigmoid": ("Sigmoid",),
+    "Tanh": ("Tanh",),
+    "Relu": ("ReLU",),
+    "Threshold": ("ReLU", "Threshold"),
+    "Gelu": ("GELU",),
+    "Silu": ("SiLU",),
+    "Elu": ("ELU",),
+    "LeakyRelu": ("LeakyReLU",),
+    "Hardtanh": ("Hardtanh", "ReLU6"),
+    "Softmax": ("Softmax",),
+    "LogSoftmax": ("LogSoftmax",),
+    "Addmm": ("Linear",),
+    "Mm": ("Linear",),
+    "Convolution": ("Conv1d", "Conv2d", "Conv3d"),
+    "NativeLayerNorm": ("LayerNorm",),
+    "NativeBatchNorm": ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d"),
+    "Exp": (),
+}
 
 
 def explain(exc: BaseException, *, engine: Any, step: int) -> Finding | None:
-    """A finding explaining ``exc`` if it is a known autograd error, else None."""
+    """A finding explaining ``exc`` if it is a known autograd error, else None.
+
+    Args:
+        exc: The exception raised by the training code (left untouched).
+        engine: The run's :class:`~gradwatch.engine.Engine` (names, tracer records).
+        step: Index of the optimizer step during which it was raised.
+
+    Example:
+        >>> import torch, gradwatch
+        >>> model = torch.nn.Linear(4, 2)
+        >>> gw = gradwatch.watch(model, console=False)
+        >>> try:
+        ...     model(torch.randn(3, 4)).backward()
+        ... except RuntimeError as e:
+        ...     gw.explain(e).kind
+        'nonscalar_backward'
+        >>> gw.close()
+    """
+    if not isinstance(exc, RuntimeError):
+        return None
+    tracer = engine.extension(ForwardTracer) if hasattr(engine, "extension") else None
+    if tracer is not None:
+        tracer.end_trace()  # an exception unwound past a traced forward
+    ctx = _Context(exc, engine, step, tracer)
+    text = str(exc)
+    m = _INPLACE_BACKWARD.search(text)
+    if m:
+        return _inplace_backward(ctx, m)
+    m = _VIEW_INPLACE.search(text)
+    if m:
+        return _inplace_forward(ctx, node_name=m.group("op"), index=int(m.group("index")))
+    if any(s in text for s in _LEAF_INPLACE + _OTHER_FORWARD_INPLACE):
+        return _inplace_forward(ctx, node_name=None, index=None)
+    if _TWICE in text:
+        return _backward_twice(ctx)
+    if _NO_GRAD in text:
+        return _no_grad_graph(ctx)
+    if _NONSCALAR in text:
+        return _nonscalar(ctx)
     return None
+
+
+# -- shared facts ----------------------------------------------------------------------------------
+@dataclass
+class _Context:
+    exc: BaseException
+    engine: Any
+    step: int
+    tracer: ForwardTracer | None
+    frames: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tb = self.exc.__traceback__
+        while tb is not None:
+            self.frames.append(tb.tb_frame)
+            tb = tb.tb_next
+
+    @property
+    def index(self) -> Any:
+        return self.engine.index
+
+    def roots(self) -> list[torch.Tensor]:
+        """The tensors backward was called on, from the traceback frames (innermost first)."""
+        found: list[torch.Tensor] = []
+        for frame in reversed(self.frames):
+            code = frame.f_code
+            fname = code.co_filename
+            if not fname.startswith(_TORCH_DIR):
+                continue
+            local = frame.f_locals
+            if code.co_name == "backward" and fname.endswith(os.path.join("torch", "_tensor.py")):
+                cands: Any = [local.get("self")]
+            elif code.co_name in ("backward", "grad") and fname.endswith(os.path.join("autograd", "__init__.py")):
+                cands = local.get("tensors", local.get("outputs"))
+            elif code.co_name == "_engine_run_backward":
+                cands = local.get("t_outputs")
+            else:
+                continue
+            if isinstance(cands, torch.Tensor):
+                cands = [cands]
+            for t in cands or ():
+                if isinstance(t, torch.Tensor) and not any(t is f for f in found):
+                    found.append(t)
+            if found:
+                break
+        return found
+
+    def user_frames(self) -> list[Any]:
+        """Frames of the user's code (not torch, gradwatch or Lightning), outermost first."""
+        return [f for f in self.frames if _is_user_file(f.f_code.co_filename)]
+
+    def module_name(self, module: Any) -> str | None:
+        return self.index.module_name.get(id(module))
+
+    def display_module(self, name: str | None) -> str | None:
+        if name is None:
+            return None
+        if name == "":
+            model = self.engine.model
+            return f"<root {type(model).__name__}>" if model is not None else "<root>"
+        return name
+
+    def param_of(self, node: Any) -> tuple[str, str] | None:
+        """(parameter name, module name) of an AccumulateGrad node's variable, if the model owns it."""
+        var = getattr(node, "variable", None)
+        if var is None:
+            return None
+        name = self.index.param_name.get(id(var))
+        if name is None:
+            return None
+        return name, self.index.param_module.get(id(var), "")
+
+
+def _is_user_file(fname: str) -> bool:
+    if fname.startswith(_TORCH_DIR) or fname.startswith(_OWN_DIR):
+        return False
+    if any(m in fname for m in _LIBRARY_MARKERS):
+        return False
+    return not fname.startswith("<frozen")
+
+
+def _with_line(source: str | None) -> str | None:
+    """``file:line`` -> ``file:line: <code>``."""
+    if not source:
+        return source
+    fname, _, lineno = source.rpartition(":")
+    line = linecache.getline(fname, int(lineno)).strip() if lineno.isdigit() else ""
+    return f"{source}: {line}" if line else source
+
+
+def _source_of(frame: Any) -> str:
+    fname = frame.f_code.co_filename
+    line = linecache.getline(fname, frame.f_lineno).strip()
+    where = f"{fname}:{frame.f_lineno}"
+    return f"{where}: {line}" if line else where
+
+
+def _walk(roots: list[torch.Tensor]) -> Iterator[tuple[Any, int]]:
+    """Breadth-first over the autograd graph from ``roots``: (node, depth)."""
+    seen: set[int] = set()
+    queue: deque[tuple[Any, int]] = deque()
+    for r in roots:
+        if r.grad_fn is not None:
+            queue.append((r.grad_fn, 0))
+    keep: list[Any] = []  # hold visited nodes so their ids stay unique during the walk
+    while queue and len(keep) < MAX_NODES:
+        node, depth = queue.popleft()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        yield node, depth
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None and id(child) not in seen:
+                queue.append((child, depth + 1))
+
+
+def _children(node: Any) -> list[Any]:
+    return [c for c, _ in getattr(node, "next_functions", ()) if c is not None]
+
+
+def _saved_error(node: Any) -> str | None:
+    """The error raised when reading one of ``node``'s saved tensors, if any."""
+    for attr in dir(node):
+        if not attr.startswith("_saved_"):
+            continue
+        try:
+            getattr(node, attr)
+        except RuntimeError as e:
+            return str(e)
+        except Exception:  # noqa: BLE001
+            continue
+    return None
+
+
+def _upstream_param(ctx: _Context, node: Any, limit: int = 2000) -> tuple[str, str] | None:
+    """The nearest model parameter feeding ``node`` (breadth-first toward the inputs)."""
+    seen: set[int] = set()
+    queue: deque[Any] = deque(_children(node))
+    keep: list[Any] = []
+    while queue and len(keep) < limit:
+        n = queue.popleft()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        keep.append(n)
+        found = ctx.param_of(n)
+        if found is not None:
+            return found
+        queue.extend(_children(n))
+    return None
+
+
+def _own_param(ctx: _Context, node: Any) -> tuple[str, str] | None:
+    """A parameter ``node`` uses directly (through views such as ``TBackward0``): the module it runs in."""
+    for child in _children(node):
+        found = ctx.param_of(child)
+        if found is not None:
+            return found
+        if node_op(child) in ("T", "Transpose", "View", "Reshape", "Expand", "Permute", "AsStrided", "Unsqueeze", "Squeeze"):
+            for grandchild in _children(child):
+                found = ctx.param_of(grandchild)
+                if found is not None:
+                    return found
+    return None
+
+
+def _modules_of_type(ctx: _Context, op: str) -> list[str]:
+    model = ctx.engine.model
+    classes = _OP_MODULES.get(op, (op,))
+    if model is None or not classes:
+        return []
+    return [name for name, m in model.named_modules() if type(m).__name__ in classes]
+
+
+# -- inplace_error ---------------------------------------------------------------------------------
+_WHY_INPLACE = (
+    "Why it matters: autograd saved that tensor during forward to compute a gradient; once it is changed in "
+    "place the gradient would be wrong, so PyTorch refuses. Nothing was updated by this backward."
+)
+
+
+def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
+    shape = tuple(int(s) for s in m.group("shape").replace(" ", "").split(",") if s)
+    now, expected = int(m.group("now")), int(m.group("expected"))
+    raw_op = m.group("op")
+    op = node_op_name(raw_op) if raw_op else None
+    roots = ctx.roots()
+    consumer = producer = None
+    shape_text = "[" + m.group("shape") + "]"
+    if roots:
+        for node, _ in _walk(roots):
+            err = _saved_error(node)
+            if err and "modified by an inplace operation" in err and shape_text in err and f"is at version {now};" in err:
+                consumer = node
+                break
+    if consumer is not None and op is not None:
+        for cand in [consumer, *_children(consumer)]:
+            if node_op(cand) == op:
+                producer = cand
+                break
+    data: dict[str, Any] = {
+        "shape": list(shape),
+        "version": now,
+        "expected_version": expected,
+        "tensor_type": m.group("type"),
+        "node": None if producer is None else producer.name(),
+        "consumer": None if consumer is None else consumer.name(),
+    }
+    # A parameter (or a view of one) changed in place between forward and backward: optimizer.step().
+    param = _modified_param(ctx, consumer, shape, now) if consumer is not None else None
+    if param is not None and (raw_op is None or op in ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")):
+        pname, pmodule, pshape = param
+        data.update(param=pname, module_exact=True)
+        return Finding(
+            kind="inplace_error",
+            step=ctx.step,
+            severity="error",
+            message=(
+                f"backward() failed at step {ctx.step}: parameter {pname} (shape {list(pshape)}) was changed in "
+                f"place after the forward pass that used it and before this backward (it is at version {now}; "
+                f"autograd saved it at version {expected}).\n"
+                f"Where: module {ctx.display_module(pmodule)}; the op that saved it is {data['consumer']}.\n"
+                f"{_WHY_INPLACE}\n"
+                "Fix: the usual cause is optimizer.step() (an in-place update) between a forward and the "
+                "backward of a loss built from it, e.g. stepping the discriminator before the generator's "
+                "loss.backward() in a GAN, or two losses sharing the model with a step in between. Call "
+                "backward() for every loss built from a forward before stepping, or redo the forward after "
+                "step(). Other in-place updates of weights (`w.data.mul_()`, `with torch.no_grad(): w += ...`, "
+                "weight clipping) between forward and backward do the same."
+            ),
+            params=(pname,),
+            module=ctx.display_module(pmodule),
+            op=op or data["consumer"],
+            data=data,
+        )
+    record = ctx.tracer.record_for(producer) if ctx.tracer is not None and producer is not None else None
+    if record is None and ctx.tracer is not None and op is not None and ctx.tracer.traced_step:
+        matches = ctx.tracer.find(op, shape, now)
+        if len(matches) == 1:
+            record = matches[0]
+    if record is not None:
+        return _inplace_traced(ctx, record, op or record.op, shape, now, expected, data)
+    return _inplace_untraced(ctx, producer, consumer, op, shape, now, expected, data)
+
+
+def node_op_name(raw: str) -> str:
+    """``SigmoidBackward0`` or ``Sigmoid`` -> ``Sigmoid``."""
+    raw = raw.rsplit("::", 1)[-1]
+    i = raw.find("Backward")
+    return raw[:i] if i > 0 else raw
+
+
+def _modified_param(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int
+) -> tuple[str, str, tuple[int, ...]] | None:
+    frontier = [consumer]
+    for _ in range(3):
+        nxt = []
+        for n in frontier:
+            for child in _children(n):
+                var = getattr(child, "variable", None)
+                if var is not None:
+                    if var._version == now and tuple(var.shape) in (shape, tuple(reversed(shape))):
+                        found = ctx.param_of(child)
+                        if found is not None:
+                            return found[0], found[1], tuple(var.shape)
+                else:
+                    nxt.append(child)
+        frontier = nxt
+    return None
+
+
+def _versions_text(now: int, expected: int) -> str:
+    changes = now - expected
+    return f"saved at version {expected}, now at version {now} ({changes} in-place change{'s' if changes != 1 else ''})"
+
+
+def _inplace_traced(
+    ctx: _Context, record: OpRecord, op: str, shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any]
+) -> Finding:
+    module = ctx.display_module(record.module)
+    source = _with_line(record.source)
+    mods: list[InplaceRecord] = ctx.tracer.modifications_of(record) if ctx.tracer is not None else []
+    lines = [
+        f"backward() failed at step {ctx.step}: the output of {op} (shape {list(shape)}) was modified by an "
+        f"in-place operation after autograd saved it ({_versions_text(now, expected)}).",
+        f"Where: {op} ran in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
+    ]
+    culprit = None
+    culprit_source = None
+    if mods:
+        culprit = mods[0]
+        culprit_source = _with_line(culprit.source)
+        lines.append(
+            f"Modified by: {culprit.op} in module {ctx.display_module(culprit.module) or '<outside the model>'}"
+            + (f" at {culprit_source}" if culprit_source else "")
+            + (f" (and {len(mods) - 1} more in-place op(s))" if len(mods) > 1 else "")
+            + "."
+        )
+    lines.append(_WHY_INPLACE)
+    lines.append("Fix: make the op that changes it out of place. " + _CULPRITS)
+    data.update(
+        module_exact=True,
+        source=source,
+        modified_by=None if culprit is None else culprit.op,
+        modified_in=None if culprit is None else ctx.display_module(culprit.module),
+        modified_at=culprit_source,
+    )
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        module=module,
+        op=op,
+        data=data,
+    )
+
+
+def _inplace_untraced(
+    ctx: _Context,
+    producer: Any,
+    consumer: Any,
+    op: str | None,
+    shape: tuple[int, ...],
+    now: int,
+    expected: int,
+    data: dict[str, Any],
+) -> Finding:
+    start = producer if producer is not None else consumer
+    before = _upstream_param(ctx, start) if start is not None else None
+    feeds = _own_param(ctx, consumer) if consumer is not None and consumer is not producer else None
+    by_type = _modules_of_type(ctx, op) if op else []
+    what = f"the output of {op}" if op else "a saved tensor"
+    lines = [
+        f"backward() failed at step {ctx.step}: {what} (shape {list(shape)}) was modified by an in-place "
+        f"operation after autograd saved it ({_versions_text(now, expected)})."
+    ]
+    module = None
+    where: list[str] = []
+    if len(by_type) == 1:
+        module = ctx.display_module(by_type[0])
+        where.append(f"probably module {module} (the only {type(_get(ctx, by_type[0])).__name__} in the model)")
+    if before is not None:
+        where.append(f"{op or 'the op'} follows module {ctx.display_module(before[1])} (nearest parameters: {before[0]})")
+        if module is None:
+            module = ctx.display_module(before[1])
+    if feeds is not None:
+        where.append(f"its output feeds module {ctx.display_module(feeds[1])}")
+    if where:
+        lines.append("Where (approximate: this step was not traced): " + "; ".join(where) + ".")
+    lines.append(
+        "gradwatch names the exact module and the in-place op on the first watched step and while escalated; "
+        "for an exact trace now, run one step under torch.autograd.set_detect_anomaly(True)."
+    )
+    lines.append(_WHY_INPLACE)
+    lines.append("Fix: make the op that changes it out of place. " + _CULPRITS)
+    data.update(
+        module_exact=False,
+        follows=None if before is None else ctx.display_module(before[1]),
+        feeds=None if feeds is None else ctx.display_module(feeds[1]),
+        same_type_modules=by_type,
+    )
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        module=module,
+        op=op,
+        data=data,
+    )
+
+
+def _get(ctx: _Context, name: str) -> Any:
+    return ctx.engine.model.get_submodule(name) if name else ctx.engine.model
+
+
+def _raising_module(ctx: _Context) -> tuple[str | None, str | None]:
+    """(module qualname, user source line) of the innermost watched module whose forward raised."""
+    module = None
+    for frame in reversed(ctx.frames):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module):
+            name = ctx.module_name(owner)
+            if name is not None:
+                module = name
+                break
+    users = ctx.user_frames()
+    source = _source_of(users[-1]) if users else None
+    return module, source
+
+
+def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) -> Finding:
+    module, source = _raising_module(ctx)
+    shown = ctx.display_module(module)
+    text = str(ctx.exc).split("\n")[0]
+    if node_name is not None:
+        op = node_op_name(node_name)
+        multi = {"Split": "split()/chunk()", "SplitWithSizes": "split()", "Unbind": "unbind() (or iterating over a tensor)"}.get(
+            op, f"{op}()"
+        )
+        lines = [
+            f"forward failed at step {ctx.step}: output {index} of {op} — one of several views returned by "
+            f"{multi} — was modified in place.",
+            f"Where: the forward of module {shown or '<outside the model>'}" + (f", at {source}" if source else "") + ".",
+            "Why it matters: the views share memory with each other and with their base, so autograd cannot "
+            "keep the gradient of the other outputs correct; PyTorch refuses rather than compute a wrong one.",
+            f"Fix: use the out-of-place op on the view (e.g. `a = a.sigmoid()` instead of `a.sigmoid_()`, "
+            f"`a = a * 2` instead of `a *= 2`), or take a copy first (`a = a.clone()`), or apply the op to the "
+            f"whole tensor before {multi}.",
+        ]
+    else:
+        op = None
+        lines = [
+            f"forward failed at step {ctx.step}: {text}",
+            f"Where: the forward of module {shown or '<outside the model>'}" + (f", at {source}" if source else "") + ".",
+            "Why it matters: autograd cannot track an in-place change of a tensor that requires grad here; "
+            "PyTorch refuses rather than compute a wrong gradient.",
+            "Fix: use the out-of-place op (`x = x + y` instead of `x += y`), clone first (`x = x.clone()`), or "
+            "make the change under `with torch.no_grad():` if it must not be differentiated (e.g. initializing "
+            "weights).",
+        ]
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        module=shown,
+        op=op,
+        data={"phase": "forward", "source": source, "module_exact": module is not None},
+    )
+
+
+# -- backward_twice --------------------------------------------------------------------------------
+def _backward_twice(ctx: _Context) -> Finding:
+    roots = ctx.roots()
+    seq = ctx.tracer.step_seq if ctx.tracer is not None else None
+    old_edges: list[tuple[Any, Any, int]] = []  # (newer consumer, older node, depth of consumer)
+    if roots and seq is not None:
+        for node, depth in _walk(roots):
+            if _seq(node) is None or _seq(node) < seq:
+                continue
+            for child in _children(node):
+                s = _seq(child)
+                if s is not None and s < seq:
+                    old_edges.append((node, child, depth))
+            if len(old_edges) >= 16:
+                break
+    data: dict[str, Any] = {"earlier_step_nodes": len(old_edges)}
+    lines = [
+        f"backward() failed at step {ctx.step}: it reached part of an autograd graph whose saved tensors were "
+        "already freed by an earlier backward().",
+        "Why it matters: backward() frees the intermediate values of the graph it went through (unless "
+        "retain_graph=True), so a second backward through the same ops cannot compute their gradients.",
+    ]
+    module = None
+    if old_edges:
+        consumer, old, depth = old_edges[0]
+        old_module = _upstream_param(ctx, old)
+        at_loss = depth <= 1
+        if at_loss:
+            cause = (
+                "the loss itself is built from a tensor kept from an earlier step — typically a running total "
+                "(`total_loss = total_loss + loss`, then `total_loss.backward()`, or logging `total += loss` "
+                "without .item())"
+            )
+        else:
+            cause = (
+                "a tensor produced at an earlier step is fed into this step's forward with its graph attached — "
+                "typically an RNN hidden state (or a cached/memory tensor) carried across steps without .detach()"
+            )
+        where = (
+            f" It enters this step's graph at {consumer.name()}"
+            + (f"; the earlier graph comes from module {ctx.display_module(old_module[1])}" if old_module else "")
+            + "."
+        )
+        lines.insert(1, f"Cause: {cause}.{where}")
+        module = ctx.display_module(old_module[1]) if old_module else None
+        data.update(cause="running_total" if at_loss else "carried_state", enters_at=consumer.name())
+        if at_loss:
+            fix = (
+                "Fix: call backward() on this step's loss only, and accumulate what you log without its graph: "
+                "`total += loss.item()` (or `loss.detach()`)."
+            )
+        else:
+            fix = (
+                "Fix: cut the graph between steps: `hidden = hidden.detach()` (for an LSTM "
+                "`h, c = h.detach(), c.detach()`) before feeding it to the next step (truncated "
+                "backpropagation through time)."
+            )
+        fix += (
+            " retain_graph=True on the earlier backward() would silence the error, but it keeps every earlier "
+            "step's graph in memory and backpropagates through all of them again: almost never what you want."
+        )
+    else:
+        lines.insert(
+            1,
+            "Cause: backward() ran twice through the same graph within this step — e.g. calling loss.backward() "
+            "twice, or backward on two losses that share part of the model (both go through the shared layers).",
+        )
+        data.update(cause="same_step")
+        fix = (
+            "Fix: add the losses and call backward() once (`(loss_a + loss_b).backward()`), or pass "
+            "retain_graph=True to every backward() but the last one that goes through the shared part. Also "
+            "check for tensors kept across steps without .detach() (RNN hidden state, running totals)."
+        )
+    lines.append(fix)
+    return Finding(
+        kind="backward_twice",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        module=module,
+        data=data,
+    )
+
+
+def _seq(node: Any) -> int | None:
+    fn = getattr(node, "_sequence_nr", None)
+    if fn is None or hasattr(node, "variable"):
+        return None
+    try:
+        return int(fn())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# -- no_grad_graph ---------------------------------------------------------------------------------
+def _no_grad_graph(ctx: _Context) -> Finding:
+    roots = ctx.roots()
+    model = ctx.engine.model
+    trainable = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+    loss = roots[0] if roots else None
+    causes: list[str] = []
+    cause_key = "unknown"
+    if model is not None and not trainable:
+        cause_key = "all_frozen"
+        causes.append(
+            f"every parameter of the model ({type(model).__name__}) has requires_grad=False, so nothing in "
+            "the loss depends on a trainable tensor. Unfreeze the layers you mean to train "
+            "(`module.requires_grad_(True)`), e.g. after loading a checkpoint or a frozen backbone."
+        )
+    elif loss is not None and loss.is_inference():
+        cause_key = "inference_mode"
+        causes.append(
+            "the loss is an inference tensor: it was computed under torch.inference_mode(). Compute the "
+            "training forward and loss outside that block."
+        )
+    elif not torch.is_grad_enabled():
+        cause_key = "no_grad_backward"
+        causes.append(
+            "backward() was called with gradient tracking disabled (inside torch.no_grad() or "
+            "torch.set_grad_enabled(False)). Move the forward, loss and backward out of that block."
+        )
+    elif ctx.tracer is not None and ctx.tracer.last_forward_grad_enabled is False:
+        cause_key = "forward_under_no_grad"
+        causes.append(
+            "the model's forward ran under torch.no_grad() (or with grad disabled), so its output has no graph. "
+            "Run the training forward with gradients enabled (a no_grad block or @torch.no_grad meant for "
+            "evaluation is around it)."
+        )
+    else:
+        cause_key = "detached"
+        connected = _graph_locals(ctx, exclude=loss)
+        hint = ""
+        if connected:
+            hint = (
+                f" In your code, {names_text(connected)} still "
+                f"{'has' if len(connected) == 1 else 'have'} a graph, so the cut is between "
+                f"{'it' if len(connected) == 1 else 'them'} and the loss."
+            )
+        causes.append(
+            "the model's forward ran with gradients, so the graph was cut between the output and the loss: "
+            "`.detach()`, `.item()`/`.tolist()`/`.numpy()` followed by torch.tensor(...), `.data`, or a "
+            "torch.no_grad() block around the loss computation." + hint + " Compute the loss from the model "
+            "output with torch ops only."
+        )
+    shape = list(loss.shape) if loss is not None else None
+    lines = [
+        f"backward() failed at step {ctx.step}: the loss has no autograd graph (requires_grad=False, no "
+        "grad_fn), so there is nothing to differentiate.",
+        "Cause: " + causes[0],
+        "Why it matters: no gradient can reach the parameters; nothing would be learned.",
+    ]
+    return Finding(
+        kind="no_grad_graph",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        data={"cause": cause_key, "loss_shape": shape, "trainable_params": len(trainable)},
+    )
+
+
+def _graph_locals(ctx: _Context, exclude: Any) -> list[str]:
+    names: list[str] = []
+    for frame in reversed(ctx.user_frames()):
+        for k, v in frame.f_locals.items():
+            if isinstance(v, torch.Tensor) and v is not exclude and v.grad_fn is not None and k not in names:
+                names.append(f"`{k}`")
+        if names:
+            break
+    return names
+
+
+# -- nonscalar_backward ----------------------------------------------------------------------------
+def _nonscalar(ctx: _Context) -> Finding:
+    roots = ctx.roots()
+    loss = roots[0] if roots else None
+    shape = list(loss.shape) if loss is not None else None
+    node = loss.grad_fn.name() if loss is not None and loss.grad_fn is not None else None
+    module = None
+    if loss is not None and loss.grad_fn is not None:
+        own = _own_param(ctx, loss.grad_fn)
+        if own is not None:
+            module = ctx.display_module(own[1])
+    shape_text = f" of shape {shape}" if shape is not None else ""
+    origin = ""
+    if module is not None:
+        origin = f" It is the output of module {module} itself (the model output was passed to backward())."
+    elif node is not None:
+        origin = f" It is the output of {node_op(loss.grad_fn)}."
+    lines = [
+        f"backward() failed at step {ctx.step}: it was called on a tensor{shape_text}, not a scalar, and without "
+        "a gradient argument." + origin,
+        "Why it matters: backward() without arguments needs one number to differentiate; for a tensor it would "
+        "need the gradient of something with respect to each element.",
+        "Fix: reduce it to the loss you mean — `loss.mean()` or `loss.sum()` (a loss function with "
+        "reduction='none' returns one value per element) — or pass the gradient explicitly: "
+        "`out.backward(gradient=torch.ones_like(out))`.",
+    ]
+    return Finding(
+        kind="nonscalar_backward",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        module=module,
+        op=None if node is None else node_op(loss.grad_fn),
+        data={"shape": shape, "node": node},
+    )

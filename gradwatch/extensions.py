@@ -13,6 +13,9 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker())
+    from gradwatch.tracing import ForwardTracer
+
+    exts.append(ForwardTracer(integration=integration))  # module names for autograd errors
     from gradwatch.dashboard import Dashboard
     from gradwatch.magnitude import MagnitudeExtension
 

@@ -36,6 +36,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from gradwatch.report import internal_warning
 
@@ -142,7 +143,9 @@ class ZeroGradTracker:
         for op in engine.index.per_optimizer:
             t = _Tracker(op.index)
             self.trackers.append(t)
-            candidates = [(p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf]
+            candidates = [
+                (p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf and not is_lazy(p)
+            ]
             if candidates:
                 p, n = min(candidates, key=lambda c: c[0].numel())
                 t.hook(p, n)

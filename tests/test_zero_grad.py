@@ -13,6 +13,7 @@ from rich.console import Console
 from torch import nn
 
 import gradwatch
+from gradwatch.zero_grad import ZeroGradTracker
 
 
 class Net(nn.Module):
@@ -327,7 +328,7 @@ def test_fresh_gradients_add_no_device_value_to_the_step(set_to_none: bool) -> N
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with gradwatch.watch(model, opt, console=False) as gw:
-        tracker = gw.engine.extensions[0]
+        tracker = gw.engine.extension(ZeroGradTracker)
         for x in batches(3):
             opt.zero_grad(set_to_none=set_to_none)
             model(x).pow(2).mean().backward()

@@ -1,0 +1,351 @@
+"""Trace which module ran each forward op, on the steps where it is worth the cost.
+
+Autograd errors name an op ("output 0 of Sigmoid") but not the module that ran it. The
+:class:`ForwardTracer` records, for every op output that carries a ``grad_fn``, the innermost watched
+module that was running, the op, the shape, the tensor's version, and the source line; and for every
+in-place op, which tensor it changed and where. :mod:`gradwatch.autograd_errors` looks the failing node
+up in these records.
+
+Tracing runs only on the first watched step and while the engine is escalated. On other steps the cost
+is a forward pre-hook on the model (and, when the model's own forward may not be called, on its direct
+children: Lightning modules and container models), each one Python call that reads a flag. A traced
+forward enters a :class:`~torch.overrides.TorchFunctionMode` and registers global module hooks for its
+duration only; a forward hook registered with ``always_call=True`` leaves both again, also when the
+forward raises. Nothing here touches saved tensors (no ``saved_tensors_hooks``, which would switch off
+PyTorch's own in-place version check), so tracing cannot turn an error into a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from gradwatch.report import internal_warning
+
+#: Direct children hooked at most (beyond this only the root is hooked).
+MAX_CHILDREN = 32
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class OpRecord:
+    """A traced op output: which op, in which module, of what shape, at which version."""
+
+    node: Any  # the output's grad_fn (held for the traced step only: nodes cannot be weakly referenced)
+    op: str
+    module: str | None
+    shape: tuple[int, ...]
+    version: int
+    tensor: weakref.ref[torch.Tensor]
+    source: str | None
+    modified_by: list[InplaceRecord] = field(default_factory=list)
+
+
+@dataclass
+class InplaceRecord:
+    """A traced in-place op: the tensor it changed, the op, the module and source line."""
+
+    tensor: weakref.ref[torch.Tensor]
+    base: weakref.ref[torch.Tensor] | None
+    op: str
+    module: str | None
+    source: str | None
+    version_before: int
+    version_after: int
+
+
+def func_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    return {"__iadd__": "+=", "__isub__": "-=", "__imul__": "*=", "__itruediv__": "/=", "__setitem__": "x[idx] = ..."}.get(
+        name, name
+    )
+
+
+def user_source(depth: int = 2, limit: int = 12) -> str | None:
+    """``file:line`` of the nearest caller outside torch and gradwatch."""
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:
+        return None
+    for _ in range(limit):
+        if frame is None:
+            return None
+        fname = frame.f_code.co_filename
+        if not fname.startswith(_TORCH_DIR) and not fname.startswith(_OWN_DIR):
+            return f"{fname}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+class _RecordingMode(TorchFunctionMode):
+    def __init__(self, tracer: ForwardTracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        out_kw = kwargs.get("out")
+        before = first._version if first is not None else 0
+        before_out = out_kw._version if isinstance(out_kw, torch.Tensor) else 0
+        result = func(*args, **kwargs)
+        try:
+            self.tracer.record(func, first, before, out_kw, before_out, result, kwargs.get("inplace") is True)
+        except Exception as exc:  # noqa: BLE001 - tracing must never change what the model computes
+            internal_warning("forward tracer", exc)
+        return result
+
+
+class ForwardTracer:
+    """Engine extension: module-level forward tracing on the first step and while escalated.
+
+    Attributes:
+        records: Traced op outputs of the current traced step, by ``id`` of their ``grad_fn``.
+        inplace: Traced in-place ops of the current traced step.
+        traced_step: Whether the records belong to the step now running.
+        last_forward_grad_enabled: Grad mode during the most recent watched forward (every step; cheap).
+        step_seq: Autograd sequence number at the most recent check: nodes numbered below it belong to
+            graphs built before that optimizer step.
+    """
+
+    def __init__(self, integration: str = "plain") -> None:
+        self.integration = integration
+        self.engine: Any = None
+        self.records: dict[int, OpRecord] = {}
+        self.inplace: list[InplaceRecord] = []
+        self._by_tensor: dict[int, OpRecord] = {}
+        self.traced_step = False
+        self.last_forward_grad_enabled: bool | None = None
+        self.last_forward_inference: bool = False
+        self.step_seq: int | None = None
+        self._first = True
+        self._handles: list[Any] = []
+        self._trace_handles: list[Any] = []
+        self._mode: _RecordingMode | None = None
+        self._starter: nn.Module | None = None
+        self._stack: list[str | None] = []
+        self._names: dict[int, str] = {}
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        model = engine.model
+        if model is None:
+            return
+        targets = [model]
+        children = list(model.children())
+        if (self.integration == "lightning" or type(model).forward is nn.Module.forward) and len(children) <= MAX_CHILDREN:
+            # The model's own forward may never run (a LightningModule's training_step calling
+            # self.encoder(x), a ModuleDict of generator and discriminator).
+            targets.extend(children)
+        for m in targets:
+            self._handles.append(m.register_forward_pre_hook(self._on_pre))
+            self._handles.append(m.register_forward_hook(self._on_post, always_call=True))
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the next forward is traced: first step, or escalated."""
+        return self._first or bool(getattr(self.engine, "escalated", False))
+
+    # -- per step (cheap) -------------------------------------------------------------------------
+    def _on_pre(self, module: nn.Module, args: Any) -> None:
+        try:
+            grad = torch.is_grad_enabled()
+            self.last_forward_grad_enabled = grad
+            self.last_forward_inference = torch.is_inference_mode_enabled()
+            if self._mode is not None or not grad or not self.wanted:
+                return
+            if torch.compiler.is_compiling():
+                return
+            self._begin(module)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("forward tracer (pre-hook)", exc)
+
+    def _on_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._starter is module:
+            self._end()
+
+    # -- traced forward ---------------------------------------------------------------------------
+    def _begin(self, module: nn.Module) -> None:
+        if not self.traced_step:
+            self._clear()
+            self.traced_step = True
+        self._names = dict(self.engine.index.module_name)
+        self._starter = module
+        self._stack = [self._names.get(id(module))]
+        reg = torch.nn.modules.module
+        self._trace_handles = [
+            reg.register_module_forward_pre_hook(self._on_module_pre),
+            reg.register_module_forward_hook(self._on_module_post, always_call=True),
+        ]
+        self._mode = _RecordingMode(self)
+        self._mode.__enter__()
+
+    def _end(self) -> None:
+        mode, self._mode = self._mode, None
+        self._starter = None
+        for h in self._trace_handles:
+            h.remove()
+        self._trace_handles = []
+        self._stack = []
+        if mode is not None:
+            try:
+                mode.__exit__(None, None, None)
+            except Exception as exc:  # noqa: BLE001
+                internal_warning("forward tracer (exit)", exc)
+
+    def _on_module_pre(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        self._stack.append(name if name is not None else (self._stack[-1] if self._stack else None))
+
+    def _on_module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+
+    def record(
+        self,
+        func: Any,
+        first: torch.Tensor | None,
+        before: int,
+        out_kw: Any,
+        before_out: int,
+        result: Any,
+        inplace_flag: bool = False,
+    ) -> None:
+        module = self._stack[-1] if self._stack else None
+        changed: list[tuple[torch.Tensor, int]] = []
+        if first is not None and first._version != before:
+            changed.append((first, before))
+        if isinstance(out_kw, torch.Tensor) and out_kw._version != before_out:
+            changed.append((out_kw, before_out))
+        outs = _tensors(result)
+        if not changed and not any(t.grad_fn is not None for t in outs):
+            return
+        name = func_name(func) + ("(inplace=True)" if inplace_flag else "")
+        source = user_source(3)
+        for t, v in changed:
+            base = t._base
+            event = InplaceRecord(
+                tensor=weakref.ref(t),
+                base=weakref.ref(base) if base is not None else None,
+                op=name,
+                module=module,
+                source=source,
+                version_before=v,
+                version_after=t._version,
+            )
+            self.inplace.append(event)
+            # Attach it to the traced output it changed (the tensor itself or the base it is a view of),
+            # while the Python object is certainly alive.
+            for target in (t, base):
+                if target is None:
+                    continue
+                rec = self._by_tensor.get(id(target))
+                if rec is not None and rec.tensor() is target:
+                    rec.modified_by.append(event)
+        for t in outs:
+            node = t.grad_fn
+            if node is None:
+                continue
+            rec = OpRecord(
+                node=node,
+                op=name,
+                module=module,
+                shape=tuple(t.shape),
+                version=t._version,
+                tensor=weakref.ref(t),
+                source=source,
+            )
+            if id(node) not in self.records or not changed:
+                self.records[id(node)] = rec
+            if not changed:
+                self._by_tensor[id(t)] = rec
+
+    # -- look-ups ---------------------------------------------------------------------------------
+    def record_for(self, node: Any) -> OpRecord | None:
+        """The traced record of an autograd node, if this step was traced."""
+        rec = self.records.get(id(node))
+        return rec if rec is not None and rec.node is node else None
+
+    def modifications_of(self, record: OpRecord) -> list[InplaceRecord]:
+        """Traced in-place ops that changed ``record``'s output (directly or through a view)."""
+        return list(record.modified_by)
+
+    def find(self, op: str, shape: tuple[int, ...], version: int | None = None) -> list[OpRecord]:
+        """Traced records by op name (``"Sigmoid"`` matches ``SigmoidBackward0``) and shape."""
+        out = []
+        for rec in self.records.values():
+            if rec.shape != shape or not _node_matches(rec.node, op):
+                continue
+            if version is not None:
+                t = rec.tensor()
+                if t is not None and t._version != version:
+                    continue
+            out.append(rec)
+        return out
+
+    # -- engine protocol --------------------------------------------------------------------------
+    def before_sync(self, ctx: Any) -> None:
+        # The first watched step reached its update: from now on only escalation traces.
+        self._first = False
+        # Autograd nodes numbered below this were created before this update (an earlier step's graph).
+        self.step_seq = next_sequence_nr()
+        if self._mode is None and self.traced_step:
+            self._clear()
+            self.traced_step = False
+
+    def end_trace(self) -> None:
+        """Leave a traced forward that is still open (an exception unwound past the hooks)."""
+        if self._mode is not None:
+            self._end()
+
+    def close(self) -> None:
+        self.end_trace()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._clear()
+        self.traced_step = False
+
+    def _clear(self) -> None:
+        self.records = {}
+        self.inplace = []
+        self._by_tensor = {}
+
+
+def next_sequence_nr() -> int | None:
+    """The sequence number the next autograd node of this thread gets (nodes are numbered in creation order)."""
+    fn = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+    try:
+        return int(fn()) if fn is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def node_op(node: Any) -> str:
+    """``SigmoidBackward0`` -> ``Sigmoid``; ``torch::autograd::AccumulateGrad`` -> ``AccumulateGrad``."""
+    name = node.name() if hasattr(node, "name") else type(node).__name__
+    name = name.rsplit("::", 1)[-1]
+    i = name.find("Backward")
+    return name[:i] if i > 0 else name
+
+
+def _node_matches(node: Any, op: str) -> bool:
+    return node_op(node) == op

@@ -1,0 +1,443 @@
+"""Autograd errors in a watched plain loop: each is explained as a finding naming the op and the module,
+and the original exception leaves the ``with gradwatch.watch(...)`` block unchanged."""
+
+from __future__ import annotations
+
+import io
+import re
+from typing import Callable
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+
+import gradwatch
+from gradwatch.tracing import ForwardTracer
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.Sigmoid()
+        self.post = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.act(self.lin(x)))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Net(nn.Module):
+    """``encoder.layers.2.act`` is a Sigmoid; ``encoder.layers.2.post`` a ReLU that can be made in-place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+    def break_at(self, step: int, current: int) -> None:
+        self.encoder.layers[2].post.inplace = step == current
+
+
+class Splitter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=1)
+        a.sigmoid_()
+        return a + b
+
+
+class SplitNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.mix = Splitter()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.body(x)))
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 4, generator=g) for _ in range(n)]
+
+
+def run(model: nn.Module, body: Callable[[int, torch.Tensor, torch.optim.Optimizer], None], steps: int = 4, **config: object) -> gradwatch.Watcher:
+    """Run ``body`` for each step inside a watch block; the exception it raises propagates."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config.setdefault("console", False)
+    with gradwatch.watch(model, opt, **config) as gw:
+        run.gw = gw  # type: ignore[attr-defined]
+        for i, x in enumerate(batches(steps)):
+            body(i, x, opt)
+    return gw
+
+
+def only(gw: gradwatch.Watcher, kind: str) -> gradwatch.Finding:
+    found = [f for f in gw.findings if f.kind == kind]
+    assert len(found) == 1, [f.kind for f in gw.findings]
+    return found[0]
+
+
+def standard_step(model: nn.Module) -> Callable[[int, torch.Tensor, torch.optim.Optimizer], None]:
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    return body
+
+
+INPLACE_MESSAGE = re.escape("which is output 0 of Sigmoid, is at version 1; expected version 0 instead")
+
+
+# -- inplace_error ---------------------------------------------------------------------------------
+def test_inplace_error_on_the_first_step_names_the_op_module_and_the_inplace_op() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model.break_at(0, 0)
+    with pytest.raises(RuntimeError, match=INPLACE_MESSAGE) as raised:
+        run(model, standard_step(model))
+    assert type(raised.value) is RuntimeError
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.op, f.module) == (0, "Sigmoid", "encoder.layers.2.act")
+    assert f.data["shape"] == [4, 8]
+    assert (f.data["expected_version"], f.data["version"]) == (0, 1)
+    assert f.data["modified_in"] == "encoder.layers.2.post"
+    assert f.data["modified_by"] == "relu(inplace=True)"
+    assert "nn.ReLU(inplace=True)" in f.message
+
+
+def test_inplace_error_is_printed() -> None:
+    buf = io.StringIO()
+    torch.manual_seed(0)
+    model = Net()
+    model.break_at(0, 0)
+    with pytest.raises(RuntimeError, match=INPLACE_MESSAGE):
+        run(model, standard_step(model), console=Console(file=buf, width=120, color_system=None))
+    text = buf.getvalue()
+    assert "gradwatch error: inplace_error at step 0" in text
+    assert "Where: Sigmoid ran in module encoder.layers.2.act" in text
+    assert "Modified by: relu(inplace=True) in module encoder.layers.2.post" in text
+
+
+def test_inplace_error_in_steady_state_names_the_module_approximately() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model.break_at(2, i)
+        standard_step(model)(i, x, opt)
+
+    with pytest.raises(RuntimeError, match=INPLACE_MESSAGE):
+        run(model, body)
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.op) == (2, "Sigmoid")
+    assert f.data["module_exact"] is False
+    assert f.module == "encoder.layers.2.act"  # the only nn.Sigmoid in the model
+    assert f.data["follows"] == "encoder.layers.2.lin"
+    assert "approximate" in f.message
+
+
+@pytest.mark.filterwarnings("ignore")  # anomaly mode's forward tracebacks while escalated
+def test_inplace_error_while_escalated_names_the_module_exactly() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model.break_at(3, i)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        if i == 1:
+            loss = loss * float("nan")  # an incident: the following steps run escalated
+        loss.backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match=INPLACE_MESSAGE):
+        run(model, body, steps=5)
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.step == 3
+    assert f.data["module_exact"] is True
+    assert (f.op, f.module, f.data["modified_in"]) == ("Sigmoid", "encoder.layers.2.act", "encoder.layers.2.post")
+
+
+def test_inplace_error_from_augmented_assignment_names_the_operator() -> None:
+    class AddInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 8)
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.exp(self.lin(x))
+            h += 1
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = AddInPlace()
+    with pytest.raises(RuntimeError, match=re.escape("which is output 0 of Exp, is at version 1")):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.op, f.module) == ("Exp", "<root AddInPlace>")
+    assert f.data["modified_by"] == "add_"
+    assert f.data["modified_at"].endswith("h += 1")
+
+
+def test_view_modified_inplace_during_forward_names_the_module_and_line() -> None:
+    torch.manual_seed(0)
+    model = SplitNet()
+    with pytest.raises(RuntimeError, match=r"Output 0 of Split\w* is a view and is being modified inplace") as raised:
+        run(model, standard_step(model))
+    assert type(raised.value) is RuntimeError
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.op, f.module) == (0, "Split", "mix")
+    assert f.data["source"].endswith("a.sigmoid_()")
+    assert "split()/chunk()" in f.message
+
+
+def test_view_modified_inplace_in_steady_state_names_the_module() -> None:
+    torch.manual_seed(0)
+    model = SplitNet()
+    model.mix.forward = lambda x: x[:, :4] + x[:, 4:]  # type: ignore[method-assign]
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        if i == 2:
+            del model.mix.forward  # back to the in-place Splitter.forward
+        standard_step(model)(i, x, opt)
+
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        run(model, body)
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.module) == (2, "mix")
+
+
+def test_optimizer_step_between_forward_and_backward_names_the_parameter() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        out = model(x)
+        out.pow(2).mean().backward(retain_graph=True)
+        opt.step()
+        out.abs().mean().backward()  # its graph saved the weights before the step
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(model, body)
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.params == ("2.weight",)
+    assert f.module == "2"
+    assert "optimizer.step()" in f.message
+
+
+# -- backward_twice --------------------------------------------------------------------------------
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNNCell(4, 6)
+        self.head = nn.Linear(6, 1)
+
+
+def test_backward_twice_from_a_carried_hidden_state() -> None:
+    torch.manual_seed(0)
+    model = Recurrent()
+    state = {"h": torch.zeros(4, 6)}
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        state["h"] = model.rnn(x, state["h"])  # not detached
+        model.head(state["h"]).pow(2).mean().backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time") as raised:
+        run(model, body)
+    assert type(raised.value) is RuntimeError
+    f = only(run.gw, "backward_twice")  # type: ignore[attr-defined]
+    assert f.step == 1
+    assert f.data["cause"] == "carried_state"
+    assert f.module == "rnn"
+    assert "hidden = hidden.detach()" in f.message
+    assert "retain_graph" in f.message
+
+
+def test_backward_twice_from_a_running_total_of_losses() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    state = {"total": torch.zeros(())}
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        state["total"] = state["total"] + model(x).pow(2).mean()
+        state["total"].backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        run(model, body)
+    f = only(run.gw, "backward_twice")  # type: ignore[attr-defined]
+    assert (f.step, f.data["cause"]) == (1, "running_total")
+    assert "loss.item()" in f.message
+
+
+def test_backward_twice_within_one_step() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        h = model.encoder(x)
+        model.head(h).pow(2).mean().backward()
+        model.head(h).abs().mean().backward()  # through the encoder again
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        run(model, body)
+    f = only(run.gw, "backward_twice")  # type: ignore[attr-defined]
+    assert (f.step, f.data["cause"]) == (0, "same_step")
+    assert "(loss_a + loss_b).backward()" in f.message
+
+
+# -- no_grad_graph ---------------------------------------------------------------------------------
+NO_GRAD_MESSAGE = "element 0 of tensors does not require grad and does not have a grad_fn"
+
+
+def test_no_grad_graph_from_a_forward_under_no_grad() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            out = model(x)
+        out.pow(2).mean().backward()
+
+    with pytest.raises(RuntimeError, match=NO_GRAD_MESSAGE) as raised:
+        run(model, body)
+    assert type(raised.value) is RuntimeError
+    f = only(run.gw, "no_grad_graph")  # type: ignore[attr-defined]
+    assert f.data["cause"] == "forward_under_no_grad"
+    assert "torch.no_grad()" in f.message
+
+
+def test_no_grad_graph_from_frozen_parameters() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model.requires_grad_(False)
+        model(x).pow(2).mean().backward()
+
+    with pytest.raises(RuntimeError, match=NO_GRAD_MESSAGE):
+        run(model, body)
+    f = only(run.gw, "no_grad_graph")  # type: ignore[attr-defined]
+    assert f.data["cause"] == "all_frozen"
+    assert "requires_grad=False" in f.message
+
+
+def test_no_grad_graph_from_an_item_round_trip_names_the_variable_with_a_graph() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        prediction = model(x)
+        loss = torch.tensor(prediction.pow(2).mean().item())
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match=NO_GRAD_MESSAGE):
+        run(model, body)
+    f = only(run.gw, "no_grad_graph")  # type: ignore[attr-defined]
+    assert f.data["cause"] == "detached"
+    assert "`prediction` still has a graph" in f.message
+    assert ".item()" in f.message
+
+
+# -- nonscalar_backward ----------------------------------------------------------------------------
+def test_nonscalar_backward_gives_the_shape_and_the_reduction() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model(x).backward()
+
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs") as raised:
+        run(model, body)
+    assert type(raised.value) is RuntimeError
+    f = only(run.gw, "nonscalar_backward")  # type: ignore[attr-defined]
+    assert f.data["shape"] == [4, 1]
+    assert f.module == "head"
+    assert "loss.mean()" in f.message and "gradient=torch.ones_like(out)" in f.message
+
+
+# -- never in the way ------------------------------------------------------------------------------
+def test_other_exceptions_pass_through_without_a_finding() -> None:
+    torch.manual_seed(0)
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        run(model, body)
+    assert run.gw.findings == []  # type: ignore[attr-defined]
+
+
+def test_explain_returns_the_finding_for_a_caught_error() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    with gradwatch.watch(model, console=False) as gw:
+        try:
+            model(torch.randn(3, 4)).backward()
+        except RuntimeError as e:
+            finding = gw.explain(e)
+    assert finding is not None and finding.kind == "nonscalar_backward"
+    assert gw.findings == [finding]
+
+
+def test_only_the_first_step_is_traced() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    modes: list[int] = []
+    model.head.register_forward_pre_hook(lambda m, a: modes.append(len(_get_current_function_mode_stack())))
+    run(model, standard_step(model))
+    assert modes == [1, 0, 0, 0]
+    assert _get_current_function_mode_stack() == []
+
+
+def test_a_forward_that_raises_leaves_no_tracing_behind() -> None:
+    torch.manual_seed(0)
+    model = SplitNet()
+    before = dict(torch.nn.modules.module._global_forward_hooks)
+    with pytest.raises(RuntimeError):
+        run(model, standard_step(model))
+    assert _get_current_function_mode_stack() == []
+    assert dict(torch.nn.modules.module._global_forward_hooks) == before
+    tracer = run.gw.engine.extension(ForwardTracer)  # type: ignore[attr-defined]
+    assert tracer.records == {}
+
+
+def test_tracing_does_not_change_the_training_result() -> None:
+    def train(watched: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        gw = gradwatch.watch(model, opt, console=False) if watched else None
+        for x in batches(3):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        if gw is not None:
+            gw.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
