@@ -114,3 +114,23 @@ def test_findings_are_readable_text_in_tensorboard(tmp_path) -> None:
     text = event.tensor_proto.string_val[0].decode()
     assert text.startswith("**error: exploding_grad** at step 0")
     assert "Why it matters:" in text and "Fix:" in text
+
+
+def test_dashboard_renders_in_headless_chromium(tmp_path) -> None:
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("tensorboard_screenshot", os.path.join(root, "tools", "tensorboard_screenshot.py"))
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    chromium = tool.find_chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed")
+    log_dir = str(tmp_path / "run")
+    tool.record_run(log_dir, steps=40)
+    out = str(tmp_path / "dashboard.png")
+    assert tool.screenshot(log_dir, out, chromium) == []
+    with open(out, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
