@@ -57,7 +57,7 @@ from gradwatch.report import internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 
 #: Forward calls of one step kept for replay (gradient accumulation runs several).
-MAX_CALLS = 8
+MAX_CALLS = 4
 #: Incident reports written per run at most (a run that stays non-finite would write one per step).
 MAX_REPORTS = 20
 
@@ -121,7 +121,8 @@ class Escalation:
         self._window_hooks: list[Any] = []
         self._calls: list[_Call] = []
         self._batch: _Batch | None = None
-        self._stale = False
+        self._mark = -1
+        self._handled: tuple[int, int] | None = None
         self._replaying = False
         self._window_left = 0
         self._window_start: int | None = None
@@ -153,8 +154,14 @@ class Escalation:
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
             return None
-        if self._stale:
+        engine = self.engine
+        counts = engine.step_counts
+        mark = sum(counts)
+        if mark != self._mark:  # an optimizer step happened since the last capture
+            self._mark = mark
             self._new_step()
+        if engine.config.every > 1 and not any(engine.should_check(i) for i in range(len(counts))):
+            return None  # this step is not checked: keep nothing
         calls = self._calls
         calls.append(_Call(args, kwargs, _autocast_state()))
         if len(calls) > MAX_CALLS:
@@ -177,7 +184,6 @@ class Escalation:
         return None
 
     def _new_step(self) -> None:
-        self._stale = False
         self._calls.clear()
         if self._live is not None:
             self._live.reset()
@@ -189,7 +195,6 @@ class Escalation:
         if not self.active:
             return
         self._batch = _Batch(batch, batch_idx, trainer, pl_module)
-        self._stale = False
         if self._window_left > 0:
             self._anomaly_on()
 
@@ -257,7 +262,10 @@ class Escalation:
         return None
 
     def after_step(self, stats: Any, decision: str) -> None:
-        self._stale = True
+        if stats.optimizer_index == len(self.engine.step_counts) - 1:
+            # Release the step's inputs and output gradients as soon as no optimizer needs them.
+            self._new_step()
+            self._batch = None
         if self._window_left > 0 and stats.optimizer_index == 0 and stats.step != self._window_start:
             self._window_left -= 1
             if self._window_left <= 0:
@@ -281,6 +289,9 @@ class Escalation:
             self._open_window(stats.step)
             return []
         out: list[Finding] = []
+        if self._handled == (stats.step, self._mark):
+            return out  # a second optimizer of the same step: the first one's findings name the origin
+        self._handled = (stats.step, self._mark)
         layers = layer_table(stats)
         poisoned = self._poisoned_params()
         if poisoned:

@@ -30,11 +30,8 @@ from torch.utils._pytree import tree_leaves
 
 ROOT = "<root>"
 
-_SKIP_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, sys.modules[__name__.rsplit(".", 1)[0]])
-    if getattr(m, "__file__", None)
-)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _OWN_DIR)
 _OPTIONAL_SKIP = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
@@ -473,7 +470,10 @@ def _traceback(node: Any) -> str | None:
         return None
     if not tb:
         return None
-    return "".join(tb) if isinstance(tb, list) else str(tb)
+    if isinstance(tb, list):
+        # gradwatch's own frames (the op recorder) mean nothing to users
+        return "".join(frame for frame in tb if _OWN_DIR not in frame)
+    return str(tb)
 
 
 def _forward_origin(ops: list[tuple[Site, Any, bool, list[float] | None, list[float] | None]]) -> Origin | None:

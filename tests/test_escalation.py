@@ -327,3 +327,32 @@ def test_origin_panel_in_console(text_console: Any) -> None:
     assert "Born in the forward pass of step 2: op PowBackward0 (Tensor.pow) in module encoder.power" in out
     assert "return h.pow(1.5)" in out
     assert "values from -1 to" in out  # the negative base
+
+
+# -- loop shapes -------------------------------------------------------------------------------------
+def test_bad_micro_batch_found_under_gradient_accumulation() -> None:
+    model = Net("sqrt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(4):
+                x = batch(step * 10 + micro, "sqrt", bad_step=(10,))  # first micro-batch of step 1
+                (model(x).pow(2).mean() / 4).backward()
+            opt.step()
+    assert [(f.step, f.op, f.module) for f in origins(gw)] == [(1, "SqrtBackward0", "encoder.distance")]
+
+
+def test_two_optimizers_one_origin_finding_per_step() -> None:
+    model = Net("div")
+    opt_a = torch.optim.SGD(model.encoder.parameters(), lr=0.01)
+    opt_b = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    with gradwatch.watch(model, [opt_a, opt_b], console=False, on_nonfinite="skip") as gw:
+        for step in range(4):
+            loss = model(batch(step, "div")).pow(2).mean()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            loss.backward()
+            opt_a.step()
+            opt_b.step()
+    assert [(f.step, f.op) for f in origins(gw)] == [(BAD_STEP, "DivBackward0")]
