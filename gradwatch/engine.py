@@ -55,6 +55,8 @@ class StepContext:
     params: list[torch.Tensor]
     engine: Engine
     slots: dict[str, int] = field(default_factory=dict)
+    #: ``(batch slot, gradient indices)`` of the queued per-gradient norms (see ``queue_grad_norms``).
+    norm_slots: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 class Extension(Protocol):
@@ -104,6 +106,8 @@ class Engine:
         self.consecutive_skips = 0
         self.step_counts = [0] * max(1, len(self.optimizers))
         self.extensions: list[Any] = []
+        #: Added to every finding's ``data`` (e.g. ``{"rank": 1}`` in a distributed run).
+        self.finding_tags: dict[str, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
@@ -304,7 +308,7 @@ class Engine:
             losses = [l.float().mean().to(device) for l in self._losses]
             loss_slot = batch.add(torch.stack(losses))
             self._losses = []
-        ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self)
+        ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self, norm_slots=norm_slots)
         ctx.slots["loss"] = loss_slot
         self._call("before_sync", ctx)
         if self.config.deferred:
@@ -431,6 +435,8 @@ class Engine:
 
     def add_finding(self, f: Finding) -> None:
         """Record and report a finding (also used by extensions and the integrations)."""
+        if self.finding_tags:
+            f.data.update({k: v for k, v in self.finding_tags.items() if k not in f.data})
         self.findings.append(f)
         self.kind_counts[f.kind] += 1
         self.reporters.call("finding", f)

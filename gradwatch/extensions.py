@@ -10,6 +10,9 @@ Integration = Literal["plain", "lightning"]
 def default_extensions(engine: Any, *, scaler: Any = None, integration: Integration = "plain") -> list[Any]:
     """The extensions for a new engine, in the order they run."""
     exts: list[Any] = []
+    from gradwatch.amp import AmpMonitor
+
+    exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker())
@@ -24,4 +27,8 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.escalation import Escalation
 
     exts.append(Escalation(integration=integration))
+    from gradwatch.distributed import RankAgreement, is_distributed
+
+    if is_distributed():
+        exts.append(RankAgreement())  # last: it folds every rank's verdict into one collective
     return exts

@@ -26,6 +26,44 @@ class OptimizerParams:
     foreign: list[str] = field(default_factory=list)
 
 
+#: Attributes that wrappers put between the user's modules (torch.compile, FSDP1, activation
+#: checkpointing); findings name the user's own module paths without them.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+#: Wrappers that hold the user's model as ``.module``.
+_MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel")
+
+
+def user_path(qualified: str, module_wrappers: frozenset[str] = frozenset()) -> str:
+    """A module or parameter path as the user wrote it: wrapper segments removed.
+
+    ``torch.compile`` adds ``_orig_mod``, FSDP1 ``_fsdp_wrapped_module``; DDP and DataParallel add
+    ``module``, which is dropped only right after a path listed in ``module_wrappers`` (the raw paths
+    of the DDP/DataParallel wrappers; ``""`` for the root), so a user's own ``module`` attribute stays.
+
+    Example:
+        >>> user_path("module._orig_mod.encoder.0.weight", frozenset({""}))
+        'encoder.0.weight'
+    """
+    if "_" not in qualified and not module_wrappers:
+        return qualified
+    out: list[str] = []
+    raw = ""
+    for part in qualified.split("."):
+        wrapper_attr = part in _WRAPPER_SEGMENTS or (part == "module" and raw in module_wrappers)
+        raw = f"{raw}.{part}" if raw else part
+        if not wrapper_attr:
+            out.append(part)
+    return ".".join(out)
+
+
+def _module_wrappers(model: nn.Module) -> frozenset[str]:
+    return frozenset(
+        name
+        for name, m in model.named_modules(remove_duplicate=False)
+        if any(c.__name__ in _MODULE_WRAPPERS for c in type(m).__mro__)
+    )
+
+
 class ParamIndex:
     """Names for every parameter of ``model`` and the watched optimizers.
 
@@ -43,9 +81,11 @@ class ParamIndex:
         self.module_name: dict[int, str] = {}
         self.model_params: list[tuple[str, torch.Tensor]] = []
         if self.model is not None:
+            wrappers = _module_wrappers(self.model)
             for mname, module in self.model.named_modules(remove_duplicate=False):
-                self.module_name.setdefault(id(module), mname)
+                self.module_name.setdefault(id(module), user_path(mname, wrappers))
             for mname, module in self.model.named_modules():
+                mname = user_path(mname, wrappers)
                 for pname, p in module.named_parameters(recurse=False):
                     if id(p) in self.param_name:
                         continue

@@ -8,6 +8,7 @@ vector, and that vector is read back once. Everything else is Python arithmetic 
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,10 @@ class SyncBatch:
         self._sizes.append(self._parts[-1].numel())
         return len(self._parts) - 1
 
+    def part(self, slot: int) -> torch.Tensor:
+        """The queued (flattened float32) tensor of ``slot``, still on its device (no sync)."""
+        return self._parts[slot]
+
     def stage(self) -> torch.Tensor | None:
         """Concatenate everything on one device without syncing (for deferred reads and all-reduce)."""
         if self._flat is None and self._parts:
@@ -130,6 +135,7 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     accumulation (fp16/bf16 gradients cannot overflow the norm). Sparse, complex and integer gradients
     take a per-tensor path. Meta tensors have no values and are left out (their norm reads as 0).
     """
+    grads = local_shards(grads)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     odd: list[int] = []
     for i, g in enumerate(grads):
@@ -152,6 +158,19 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
             g = g.float()
         slots.append((batch.add(torch.linalg.vector_norm(g).float()), [i]))
     return slots
+
+
+def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This process's shards of sharded (DTensor, e.g. FSDP2) gradients; other tensors as they are.
+
+    Norms of the local shards need no communication; the distributed extension combines them into
+    the global norm within the step's one collective.
+    """
+    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before its import
+    cls = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
+    if cls is None:
+        return grads
+    return [g.to_local() if isinstance(g, cls) else g for g in grads]
 
 
 def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]], n: int) -> list[float]:
@@ -181,6 +200,7 @@ def count_nonfinite(names: list[str], grads: list[torch.Tensor], suspects: list[
     """Element-wise NaN and Inf counts for the suspect gradients (incident path only: one more sync)."""
     if not suspects:
         return {}, {}
+    grads = local_shards(grads)
     parts = []
     for i in suspects:
         g = grads[i]

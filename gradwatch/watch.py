@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gradwatch.config import make_config
+from gradwatch.distributed import is_rank_zero
 from gradwatch.engine import Engine
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
@@ -63,7 +64,7 @@ class Watcher:
         self.model = model
         self.optimizers = optimizers
         self.scaler = scaler
-        self.engine = Engine(model, optimizers, cfg)
+        self.engine = Engine(model, optimizers, cfg, rank_zero=is_rank_zero())
         self._handles: list[Any] = []
         self._pending_snapshot: dict[int, dict[Any, Any]] = {}
         self._closure_step: set[int] = set()

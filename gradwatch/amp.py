@@ -1,0 +1,273 @@
+"""Mixed precision: a gradient scaler's overflow steps are normal, not NaN incidents.
+
+``torch.amp.GradScaler`` multiplies the loss by a large scale so fp16 gradients do not underflow. When
+the scaled gradients overflow it drops that update and halves the scale (``scaler.update()``); early in
+fp16 training that happens a few times and is expected. :class:`AmpMonitor` (attached for both ways in)
+makes gradwatch agree with the scaler:
+
+- Overflow steps are reported as ``amp_overflow`` (severity info, with the new scale), never as
+  ``nonfinite_grad`` or ``exploding_grad``, and never skipped or raised by the ``on_nonfinite`` policy:
+  the scaler already drops the update.
+- ``amp_overflow_persistent`` (warning) when overflow persists: the scale falls below 1, or, after the
+  scale has settled (once an update went through), ``PERSISTENT_STEPS`` overflow steps come in a row.
+- Gradient norms are of unscaled gradients. Where the gradients are still scaled when gradwatch looks
+  (optimizers that unscale inside their own fused step, ``_step_supports_amp_scaling``), the norms are
+  divided by the scale.
+
+How each case is seen, without extra device-to-host syncs (the scaler's tensors are read with the
+step's statistics):
+
+- Plain loop: ``scaler.step(opt)`` calls ``opt.step()`` only when the gradients are finite, so
+  gradwatch's step hook never runs on an overflow step, and the gradients it sees are unscaled. The
+  overflow steps in between are counted from the scale: each one multiplies it by the backoff factor.
+  The scaler is the one handed to ``watch(..., scaler=scaler)``, or else the one whose ``step()`` is
+  found calling the optimizer. Those steps count as optimizer steps (as in Lightning's
+  ``global_step``), so step numbers match the loop's iterations. Fused optimizers are stepped on every
+  iteration with ``found_inf`` attached, which gradwatch reads.
+- Lightning (``precision="16-mixed"`` with a scaler): ``on_before_optimizer_step`` runs after the
+  unscale and after ``found_inf`` is known, on overflow steps too; for fused optimizers the gradients
+  are still scaled there and an overflow shows as non-finite scaled gradients.
+
+``precision="bf16-mixed"`` (and ``"16-mixed"`` on CPU, which Lightning turns into bf16) has no scaler:
+bf16 has fp32's range, nothing overflows, and every NaN/Inf is a real incident handled as usual.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+
+from gradwatch.stats import StepStats, layer_norms, total_norm
+
+#: After the scale has settled, this many overflow steps in a row is a persistent overflow.
+PERSISTENT_STEPS = 8
+#: A loss scale below this means gradients overflow fp16 even unscaled: a persistent overflow.
+SCALE_FLOOR = 1.0
+
+
+class AmpMonitor:
+    """Engine extension: counts a ``GradScaler``'s overflow steps and keeps them out of the NaN policy.
+
+    Args:
+        scaler: The ``torch.amp.GradScaler`` in use, if known (``watch(..., scaler=...)``, or the
+            Trainer's precision plugin). In a plain loop without it, the scaler is found the first time
+            its ``step()`` calls the optimizer.
+        integration: ``"plain"`` or ``"lightning"``.
+    """
+
+    def __init__(self, scaler: Any = None, integration: str = "plain") -> None:
+        self.scaler = scaler if _is_scaler(scaler) else None
+        self.integration = integration
+        self.overflow_steps = 0
+        self._engine: Any = None
+        self._slots: dict[str, int] = {}
+        self._last_scale: float | None = None
+        self._last_tracker = 0.0
+        self._last_was_overflow = False
+        self._consecutive = 0
+        self._settled = False
+        self._persistent_reported = False
+        self._looked_up = 0
+
+    def attach(self, engine: Any) -> None:
+        self._engine = engine
+
+    # -- before the sync ---------------------------------------------------------------------------
+    def before_sync(self, ctx: Any) -> None:
+        self._slots = {}
+        if self.scaler is None and self.integration == "plain":
+            self.scaler = _scaler_in_stack()
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+            return
+        batch = ctx.batch
+        self._slots["scale"] = batch.add(scaler._scale)
+        tracker = getattr(scaler, "_growth_tracker", None)
+        if tracker is not None:
+            self._slots["tracker"] = batch.add(tracker)
+        opt = self._optimizer(ctx.stats.optimizer_index)
+        if opt is None:
+            return
+        grad_scale: Any = None
+        found_inf: Any = None
+        scaled_unknown = False
+        if hasattr(opt, "found_inf"):
+            # Inside scaler.step() of an optimizer that unscales in its own (fused) step: the gradients
+            # are still scaled by ``grad_scale`` (None when the user unscaled them), and the optimizer
+            # drops the update itself when ``found_inf`` is set.
+            grad_scale = getattr(opt, "grad_scale", None)
+            found_inf = opt.found_inf
+        else:
+            state = scaler._per_optimizer_states.get(id(opt))
+            stage = getattr(state.get("stage") if state else None, "name", None)
+            if stage == "UNSCALED" and state["found_inf_per_device"]:
+                found_inf = torch.stack([t.reshape(()).float() for t in state["found_inf_per_device"].values()]).sum()
+            elif self.integration == "lightning" and getattr(opt, "_step_supports_amp_scaling", False):
+                grad_scale = scaler._scale  # not unscaled yet: scaler.step() checks for inf itself
+                scaled_unknown = True
+        if isinstance(grad_scale, torch.Tensor):
+            self._slots["grad_scale"] = batch.add(grad_scale)
+        if isinstance(found_inf, torch.Tensor):
+            self._slots["found_inf"] = batch.add(found_inf)
+            ctx.slots["amp_scaler_skips"] = self._slots["found_inf"]
+        elif scaled_unknown and ctx.norm_slots:
+            # The scaler will find an overflow exactly when a scaled gradient is non-finite.
+            norms = torch.cat([batch.part(slot) for slot, _ in ctx.norm_slots])
+            self._slots["found_inf"] = batch.add((~torch.isfinite(norms)).any().float())
+            ctx.slots["amp_scaler_skips"] = self._slots["found_inf"]
+
+    def _optimizer(self, index: int) -> Any:
+        opts = self._engine.optimizers
+        return opts[index] if index < len(opts) else None
+
+    # -- after the sync ----------------------------------------------------------------------------
+    def after_sync(self, ctx: Any) -> None:
+        if "scale" not in self._slots:
+            return
+        values = ctx.batch.resolve()
+        stats: StepStats = ctx.stats
+        scale = values[self._slots["scale"]][0]
+        tracker = values[self._slots["tracker"]][0] if "tracker" in self._slots else 0.0
+        if "grad_scale" in self._slots:
+            _unscale_norms(stats, values[self._slots["grad_scale"]][0], self._engine.config.per_layer)
+        overflow_here = "found_inf" in self._slots and values[self._slots["found_inf"]][0] > 0
+        hidden = self._hidden_overflows(scale, tracker) if self.integration == "plain" else 0
+        self._last_scale, self._last_tracker, self._last_was_overflow = scale, tracker, overflow_here
+        if hidden:
+            first = stats.step
+            if len(self._engine.optimizers) == 1:
+                # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
+                self._engine.step_counts[stats.optimizer_index] += hidden
+                stats.step += hidden
+            self._note(stats, hidden, first_step=first, scale=scale * _inverse(scaler_backoff(self.scaler)), new_scale=scale)
+            self._consecutive = 0
+            self._settled = True
+        if overflow_here:
+            loss_nonfinite = stats.loss_nonfinite
+            _blank(stats)
+            self._note(
+                stats,
+                1,
+                first_step=stats.step,
+                scale=scale,
+                new_scale=scale * scaler_backoff(self.scaler),
+                loss_nonfinite=loss_nonfinite,
+            )
+        elif not hidden:
+            self._consecutive = 0
+            self._settled = True
+            self._persistent_reported = False
+        else:
+            self._persistent_reported = False
+        scalars = stats.extra.setdefault("scalars", {})
+        scalars["gradwatch/amp/scale"] = scale
+        scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
+
+    def _note(self, stats: StepStats, n: int, *, first_step: int, scale: float, new_scale: float, loss_nonfinite: bool = False) -> None:
+        self.overflow_steps += n
+        self._consecutive += n
+        persistent = False
+        if not self._persistent_reported and (
+            new_scale < SCALE_FLOOR or (self._settled and self._consecutive >= PERSISTENT_STEPS)
+        ):
+            persistent = self._persistent_reported = True
+        stats.extra["amp"] = {
+            "overflow_steps": n,
+            "first_step": first_step,
+            "scale": scale,
+            "new_scale": new_scale,
+            "consecutive": self._consecutive,
+            "total": self.overflow_steps,
+            "persistent": persistent,
+            "loss_nonfinite": loss_nonfinite,
+            "optimizer": stats.optimizer_index,
+        }
+
+    def _hidden_overflows(self, scale: float, tracker: float) -> int:
+        """Overflow steps since the last check that never reached the optimizer (plain loop)."""
+        scaler = self.scaler
+        backoff = scaler_backoff(scaler)
+        if not 0.0 < backoff < 1.0 or not scale > 0:
+            return 0
+        if self._last_scale is None:
+            # First look: overflows before the first update that went through start from init_scale.
+            init = float(getattr(scaler, "_init_scale", scale) or scale)
+            if tracker != 0 or any(self._engine.step_counts) or scale >= init:
+                return 0
+            return _steps_between(init, scale, backoff, [1.0])
+        if self._last_was_overflow:
+            factors = [backoff]
+        else:
+            factors = [1.0, float(getattr(scaler, "_growth_factor", 2.0))]
+        return _steps_between(self._last_scale, scale, backoff, factors)
+
+    def close(self) -> None:
+        self._engine = None
+
+
+def scaler_backoff(scaler: Any) -> float:
+    return float(getattr(scaler, "_backoff_factor", 0.5))
+
+
+def _inverse(x: float) -> float:
+    return 1.0 / x if x else 1.0
+
+
+def _steps_between(before: float, after: float, backoff: float, factors: list[float]) -> int:
+    """k such that ``after == before * factor * backoff**k`` for one of ``factors``; 0 if none fits."""
+    for factor in factors:
+        start = before * factor
+        if start <= 0:
+            continue
+        k = math.log(after / start) / math.log(backoff)
+        if k > -1e-6 and abs(k - round(k)) < 1e-3:
+            return int(round(k))
+    return 0
+
+
+def _unscale_norms(stats: StepStats, scale: float, per_layer: bool) -> None:
+    if not scale or not math.isfinite(scale) or scale == 1.0:
+        return
+    stats.extra["grad_scale"] = scale
+    stats.norms = [v / scale for v in stats.norms]
+    stats.total_norm = total_norm(stats.norms)
+    if per_layer and stats.layer_norms:
+        stats.layer_norms = layer_norms(stats.modules, stats.norms)
+
+
+def _blank(stats: StepStats) -> None:
+    """An overflow step's gradients are garbage the scaler throws away: nothing in them to check."""
+    stats.names = []
+    stats.modules = []
+    stats.norms = []
+    stats.total_norm = 0.0
+    stats.layer_norms = {}
+    stats.none_grad = ()
+    stats.nonfinite = ()
+    stats.nan_counts = {}
+    stats.inf_counts = {}
+    stats.overflow_norm = ()
+    stats.loss_nonfinite = False
+    stats.extra["amp_overflow_step"] = True
+
+
+def _is_scaler(obj: Any) -> bool:
+    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    return cls is not None and isinstance(obj, cls)
+
+
+def _scaler_in_stack(depth: int = 32) -> Any:
+    """The GradScaler whose ``step()`` is calling the optimizer right now, if any."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
+            owner = frame.f_locals.get("self")
+            if _is_scaler(owner):
+                return owner
+        frame = frame.f_back
+    return None

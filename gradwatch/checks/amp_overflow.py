@@ -1,0 +1,74 @@
+"""``amp_overflow`` and ``amp_overflow_persistent``: a gradient scaler dropped updates (fp16 AMP).
+
+Reads ``stats.extra["amp"]``, filled by :class:`gradwatch.amp.AmpMonitor`. An overflow step is the
+scaler working as designed (info); only an overflow that persists is worth a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    amp = stats.extra.get("amp")
+    if not isinstance(amp, dict) or not amp.get("overflow_steps"):
+        return []
+    n = int(amp["overflow_steps"])
+    first = int(amp.get("first_step", stats.step))
+    steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
+    new_scale = _fmt(amp.get("new_scale"))
+    data: dict[str, Any] = {
+        "overflow_steps": n,
+        "steps": list(range(first, first + n)),
+        "scale": amp.get("scale"),
+        "new_scale": amp.get("new_scale"),
+        "consecutive": amp.get("consecutive"),
+        "total": amp.get("total"),
+        "optimizer": amp.get("optimizer", stats.optimizer_index),
+    }
+    out = [
+        Finding(
+            kind="amp_overflow",
+            step=first,
+            severity="info",
+            message=(
+                f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): the "
+                f"scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
+                f"{new_scale}. This is how dynamic loss scaling finds its scale; a few such steps, mostly "
+                "early in training, are normal and need no action."
+            ),
+            data=data,
+        )
+    ]
+    if amp.get("persistent"):
+        loss_hint = " The loss itself was non-finite on that step." if amp.get("loss_nonfinite") else ""
+        out.append(
+            Finding(
+                kind="amp_overflow_persistent",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"The gradient scaler keeps skipping updates: {amp.get('consecutive')} overflow steps in a "
+                    f"row up to step {stats.step}, loss scale now {new_scale}.{loss_hint}\n"
+                    "Why it matters: every skipped step is a lost update; when the scale keeps falling the "
+                    "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
+                    "stops training.\nFix: check the loss and the inputs for NaN/Inf (run a few steps without "
+                    "autocast: gradwatch then names the op), keep overflow-prone ops (softmax, norms, large "
+                    "reductions, exp) in float32, lower the learning rate, or train in bf16 "
+                    "(precision='bf16-mixed', torch.autocast(dtype=torch.bfloat16)), which needs no scaler."
+                ),
+                data=data,
+            )
+        )
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, (int, float)):
+        return f"{v:g}"
+    return "unknown"

@@ -1,0 +1,307 @@
+"""Many processes (DDP, FSDP, any ``torch.distributed`` job): one decision for all ranks.
+
+When ``torch.distributed`` is initialized with more than one process, :class:`RankAgreement` is
+attached to the engine (for the plain loop and for Lightning). On every checked step it runs exactly
+one ``all_reduce`` (SUM) of a small vector, queued with the step's statistics and read back with the
+step's one device-to-host sync:
+
+- ``[0:world]``: a one-hot flag per rank, 1 when that rank saw a NaN/Inf gradient or loss. Every rank
+  learns the same set, so every rank takes the same action on the same step ("skip" on all, "raise"
+  on all) and the replicas never diverge. Every rank runs the same collective on every checked step
+  (step counters agree across ranks, so ``every=N`` selects the same steps), so a problem on one rank
+  cannot leave the others waiting.
+- ``[world:]``: for sharded gradients (``DTensor``, e.g. FSDP2's ``fully_shard``), the squared norm of
+  this rank's shard, so the reported norm of a sharded parameter is the norm over all its shards.
+
+On the rare step where some rank saw a non-finite value, the ranks also exchange a short description
+of what each saw (one ``all_gather_object``), so the report written by rank zero can name the
+parameters of another rank. Only rank zero writes the console, TensorBoard and ``gradwatch.jsonl``;
+every finding carries ``data["rank"]``, and non-finite findings ``data["ranks"]``.
+
+Under DDP the gradients are averaged across ranks before the optimizer step, so a NaN on one rank
+usually reaches every rank; the agreement matters when it does not (losses, gradients that DDP does
+not reduce, FSDP shards, ``no_sync`` accumulation, hand-written reductions), and for ``"raise"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gradwatch.findings import Finding, names_text
+from gradwatch.report import internal_warning
+from gradwatch.stats import StepStats, layer_norms, total_norm
+
+NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process; ``(0, 1)`` when ``torch.distributed`` is not in use."""
+    dist = _dist()
+    if dist is None:
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_rank_zero() -> bool:
+    """Whether this process writes reports: rank zero, or any process of a non-distributed run."""
+    return rank_and_world()[0] == 0
+
+
+def is_distributed() -> bool:
+    """``torch.distributed`` is initialized with more than one process."""
+    return rank_and_world()[1] > 1
+
+
+def _dist() -> Any:
+    if not torch.distributed.is_available():
+        return None
+    dist = torch.distributed
+    if not dist.is_initialized():
+        return None
+    return dist
+
+
+class RankAgreement:
+    """Engine extension: one ``all_reduce`` per checked step so that every rank decides alike.
+
+    Args:
+        group: The process group to agree over (default: the whole world).
+
+    Example:
+        >>> # attached by gradwatch itself when torch.distributed is initialized with world_size > 1
+        >>> RankAgreement().rank
+        0
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank, self.world = 0, 1
+        self._engine: Any = None
+        self._slot = -1
+        self._sharded: list[int] = []  # indices into ctx.grads of this step's sharded gradients
+        self._sharding_of: dict[int, float | None] = {}  # id(param) -> replication factor (None: unsupported)
+        self._index_seen: Any = None
+        self._any_sharded = False
+        self._warned_sharding = False
+
+    def attach(self, engine: Any) -> None:
+        dist = _dist()
+        if dist is not None:
+            self.rank = dist.get_rank(self.group) if self.group is not None else dist.get_rank()
+            self.world = dist.get_world_size(self.group) if self.group is not None else dist.get_world_size()
+        self._engine = engine
+        engine.finding_tags["rank"] = self.rank
+        model = engine.model
+        if engine.config.escalate and model is not None and any(_is_dtensor(p) for p in model.parameters()):
+            # Sharded modules all-gather their parameters inside forward: a localization replay that
+            # only the ranks with an incident run would leave the others waiting in a collective.
+            engine.config = engine.config.replace(escalate=False)
+
+    # -- before the sync: queue the flags and shard norms, run the collective ----------------------
+    def before_sync(self, ctx: Any) -> None:
+        self._slot = -1
+        dist = _dist()
+        if dist is None or self.world < 2:
+            return
+        batch = ctx.batch
+        parts = [batch.part(slot) for slot, _ in ctx.norm_slots]
+        loss_slot = ctx.slots.get("loss", -1)
+        if loss_slot >= 0:
+            parts.append(batch.part(loss_slot))
+        device = self._device(ctx, parts)
+        parts = [p.to(device, non_blocking=True) if p.device != device else p for p in parts]
+        self._sharded = self._sharded_indices(ctx)
+        vec = torch.zeros(self.world + len(self._sharded), dtype=torch.float32, device=device)
+        if parts:
+            bad = (~torch.isfinite(torch.cat(parts))).any()
+            amp_slot = ctx.slots.get("amp_scaler_skips", -1)
+            if amp_slot >= 0:
+                # The AMP scaler drops this update itself (an overflow step): not a reason to skip.
+                bad = bad & (batch.part(amp_slot).to(device).sum() == 0)
+            vec[self.rank] = bad.to(torch.float32)
+        if self._sharded:
+            vec[self.world :] = self._local_squares(ctx, device)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        self._slot = batch.add(vec)
+
+    def _device(self, ctx: Any, parts: list[torch.Tensor]) -> torch.device:
+        dist = _dist()
+        backend = str(dist.get_backend(self.group)) if dist is not None else "gloo"
+        if "nccl" in backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if parts:
+            return parts[0].device
+        params = self._engine.index.per_optimizer[ctx.stats.optimizer_index].params
+        return params[0].device if params else torch.device("cpu")
+
+    def _sharded_indices(self, ctx: Any) -> list[int]:
+        index = self._engine.index
+        if index.per_optimizer is not self._index_seen:  # the parameter index was rebuilt
+            self._index_seen = index.per_optimizer
+            self._sharding_of = {}
+            for op in index.per_optimizer:
+                for p in op.params:
+                    factor = _replication(p, self.world)
+                    if factor != 1.0 or _is_dtensor(p):
+                        self._sharding_of[id(p)] = factor
+            self._any_sharded = bool(self._sharding_of)
+        if not self._any_sharded:
+            return []
+        out = []
+        for i, p in enumerate(ctx.params):
+            if id(p) not in self._sharding_of:
+                continue
+            if self._sharding_of[id(p)] is None:
+                self._warn_sharding()
+                continue
+            out.append(i)
+        return out
+
+    def _local_squares(self, ctx: Any, device: torch.device) -> torch.Tensor:
+        # The local shard norms are already queued (``queue_grad_norms`` works on local shards): gather
+        # them instead of computing them again.
+        position: dict[int, int] = {}
+        parts = []
+        offset = 0
+        for slot, idx in ctx.norm_slots:
+            for pos, i in enumerate(idx):
+                position[i] = offset + pos
+            parts.append(ctx.batch.part(slot).to(device))
+            offset += len(idx)
+        norms = torch.cat(parts + [torch.zeros(1, device=device)])  # the last entry: a gradient with no norm
+        take = torch.tensor([position.get(i, offset) for i in self._sharded], device=device)
+        factors = torch.tensor(
+            [self._sharding_of[id(ctx.params[i])] or 1.0 for i in self._sharded], dtype=torch.float32, device=device
+        )
+        return norms.index_select(0, take).square() / factors
+
+    def _warn_sharding(self) -> None:
+        if not self._warned_sharding:
+            self._warned_sharding = True
+            internal_warning(
+                "RankAgreement (sharded norms)",
+                NotImplementedError(
+                    "a sharded parameter's device mesh does not span every process, or its gradient has a "
+                    "Partial placement; its norm is reported for this rank's shard only"
+                ),
+            )
+
+    # -- after the sync: read the agreement --------------------------------------------------------
+    def after_sync(self, ctx: Any) -> None:
+        if self._slot < 0:
+            return
+        values = ctx.batch.resolve()[self._slot]
+        stats: StepStats = ctx.stats
+        ranks = [r for r in range(self.world) if values[r] > 0]
+        if self._sharded and len(stats.norms) == len(ctx.params):
+            scale = float(stats.extra.get("grad_scale", 1.0) or 1.0)
+            for i, sq in zip(self._sharded, values[self.world :]):
+                stats.norms[i] = math.sqrt(sq) / scale if sq >= 0 else sq
+            stats.total_norm = total_norm(stats.norms)
+            if stats.layer_norms:
+                stats.layer_norms = layer_norms(stats.modules, stats.norms)
+        if not ranks:
+            return
+        stats.extra["nonfinite_ranks"] = ranks
+        if any(r != self.rank for r in ranks):
+            stats.extra["any_rank_nonfinite"] = True
+        stats.extra["rank_reports"] = self._exchange(stats)
+
+    def _exchange(self, stats: StepStats) -> list[dict[str, Any]]:
+        """What each rank saw, for rank zero's report. Every rank runs it on the same (incident) step."""
+        dist = _dist()
+        mine = {
+            "rank": self.rank,
+            "nonfinite": list(stats.nonfinite[:20]),
+            "nonfinite_count": len(stats.nonfinite),
+            "nan": sum(stats.nan_counts.values()),
+            "inf": sum(stats.inf_counts.values()),
+            "loss_nonfinite": stats.loss_nonfinite,
+        }
+        if dist is None:
+            return [mine]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, mine, group=self.group)
+        return [r for r in out if isinstance(r, dict)]
+
+    # -- incident: say which ranks ----------------------------------------------------------------
+    def on_incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
+        ranks = stats.extra.get("nonfinite_ranks")
+        if not ranks:
+            return []
+        for f in findings:
+            if f.kind in NONFINITE_KINDS:
+                f.data.setdefault("ranks", list(ranks))
+        if stats.is_nonfinite:
+            return []
+        return [other_rank_finding(stats, ranks, stats.extra.get("rank_reports") or [], self._engine.config.on_nonfinite)]
+
+
+_ACTION = {
+    "skip": "Every rank skipped this update, so the replicas stay identical.",
+    "warn": "on_nonfinite='warn': every rank applied the update.",
+    "raise": "on_nonfinite='raise': every rank stops before the update.",
+}
+
+
+def other_rank_finding(stats: StepStats, ranks: list[int], reports: list[dict[str, Any]], policy: str) -> Finding:
+    """The finding a rank reports when only other ranks saw non-finite values this step."""
+    lines = []
+    params: list[str] = []
+    for r in sorted(reports, key=lambda d: d.get("rank", 0)):
+        if r.get("rank") not in ranks:
+            continue
+        what = []
+        if r.get("nonfinite_count"):
+            what.append(
+                f"{r['nonfinite_count']} gradient(s) with NaN/Inf ({r.get('nan', 0)} NaN, {r.get('inf', 0)} Inf): "
+                f"{names_text(r.get('nonfinite') or [])}"
+            )
+            params.extend(n for n in r.get("nonfinite") or [] if n not in params)
+        if r.get("loss_nonfinite"):
+            what.append("a non-finite loss")
+        lines.append(f"  rank {r.get('rank')}: " + ("; ".join(what) or "non-finite values"))
+    where = "\n".join(lines) if lines else f"  rank(s) {', '.join(map(str, ranks))}"
+    return Finding(
+        kind="nonfinite_on_other_rank",
+        step=stats.step,
+        severity="error",
+        message=(
+            f"Rank(s) {', '.join(map(str, ranks))} saw non-finite values at step {stats.step}:\n{where}\n"
+            f"{_ACTION.get(policy, '')}\nWhy it matters: one rank's NaN reaches every replica through the "
+            "gradient all-reduce (or leaves the replicas out of step if it does not).\n"
+            "Fix: look at the batch that rank got at this step (a bad sample or data shard); that rank's "
+            "own findings (``gw.findings`` there) name the op when gradwatch could localize it."
+        ),
+        params=tuple(params),
+        data={"ranks": list(ranks), "reports": reports, "optimizer": stats.optimizer_index},
+    )
+
+
+def _is_dtensor(t: Any) -> bool:
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def _replication(p: Any, world: int) -> float | None:
+    """How many ranks hold each shard of ``p`` (1.0 for a plain tensor); None when not supported."""
+    if not _is_dtensor(p):
+        return 1.0
+    mesh = p.device_mesh
+    if mesh.size() != world:
+        return None
+    factor = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            continue
+        if placement.is_replicate():
+            factor *= mesh.size(dim)
+            continue
+        return None  # Partial: the local values are summands, their norm is not a shard norm
+    return float(factor)

@@ -1,0 +1,201 @@
+"""One rank of the two-process gloo runs in ``test_distributed.py``.
+
+Usage: ``python tests/_dist_worker.py RANK WORLD PORT OUT_DIR``. Runs every scenario below in one
+process group (one process start-up for all of them) and writes ``OUT_DIR/rank{RANK}.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from rich.console import Console  # noqa: E402
+from torch import nn  # noqa: E402
+
+import gradwatch  # noqa: E402
+
+NAN_STEP = 3
+STEPS = 6
+
+
+def text_console() -> Console:
+    return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+class Net(nn.Module):
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        if unused:
+            self.aux = nn.Linear(8, 8)  # never called in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def batch(step: int, rank: int, bad: bool) -> torch.Tensor:
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(100 + step))
+    if bad:
+        x[0, 1] = float("nan")  # one feature of one sample: NaN in encoder.0.weight's column 1
+    return x
+
+
+def flat_params(model: nn.Module) -> list[float]:
+    out: list[float] = []
+    for p in model.parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out.extend(t.reshape(-1).tolist())
+    return out
+
+
+def replicas(rank: int, policy: str) -> dict[str, Any]:
+    """Identical replicas on identical data; rank 1 alone gets a NaN at NAN_STEP (no DDP to spread it)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    console = text_console()
+    raised = None
+    before_nan: list[float] = []
+    with gradwatch.watch(model, opt, console=console, on_nonfinite=policy) as gw:
+        try:
+            for step in range(STEPS):
+                if step == NAN_STEP:
+                    before_nan = flat_params(model)
+                loss = model(batch(step, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if step == NAN_STEP:
+                    unchanged_at_nan = flat_params(model) == before_nan
+        except gradwatch.GradWatchError as exc:
+            raised = {"step": step, "message": str(exc)}
+            unchanged_at_nan = None
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(model),
+        "unchanged_at_nan": unchanged_at_nan,
+        "raised": raised,
+        "skipped": gw.engine.steps_skipped,
+    }
+
+
+def ddp_unused(rank: int, wrapped: bool) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Net(unused=True)
+    model = DDP(inner, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model if wrapped else inner, opt, console=text_console()) as gw:
+        for step in range(3):
+            loss = model(batch(step, rank, bad=False)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings]}
+
+
+def ddp_nan(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    console = text_console()
+    with gradwatch.watch(model, opt, console=console) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(model.module),
+        "skipped": gw.engine.steps_skipped,
+    }
+
+
+def fsdp(rank: int, nan: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    console = text_console()
+    reference: list[dict[str, float]] = []
+    reported: list[dict[str, float]] = []
+    with gradwatch.watch(model, opt, console=console, per_layer=True) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + rank * 50, rank, bad=False)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if nan and rank == 1 and step == NAN_STEP:
+                with torch.no_grad():  # one element of the shard this rank holds, on this rank only
+                    model.encoder[0].weight.grad.to_local()[0, 0] = float("nan")
+            full = {n: p.grad.full_tensor().norm().item() for n, p in model.named_parameters()}
+            full["<total>"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
+            opt.step()
+            last = gw.engine.history.last[0]
+            got = dict(zip(last.names, last.norms))
+            got["<total>"] = last.total_norm
+            reference.append(full)
+            reported.append(got)
+    local_nonfinite = [f.to_dict() for f in gw.findings]
+    return {
+        "reference": reference,
+        "reported": reported,
+        "findings": local_nonfinite,
+        "params": flat_params(model),
+        "skipped": gw.engine.steps_skipped,
+    }
+
+
+SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "skip": lambda r: replicas(r, "skip"),
+    "raise": lambda r: replicas(r, "raise"),
+    "ddp_unused_wrapped": lambda r: ddp_unused(r, wrapped=True),
+    "ddp_unused_inner": lambda r: ddp_unused(r, wrapped=False),
+    "ddp_nan": ddp_nan,
+    "fsdp": lambda r: fsdp(r, nan=False),
+    "fsdp_nan": lambda r: fsdp(r, nan=True),
+}
+
+
+def main() -> None:
+    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    names = sys.argv[5].split(",") if len(sys.argv) > 5 else list(SCENARIOS)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    try:
+        for name in names:
+            try:
+                results[name] = SCENARIOS[name](rank)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Two processes, gloo on CPU: decisions agree across ranks, findings name the rank, sharded norms are global.
+
+Every scenario runs once in one pair of processes (``tests/_dist_worker.py``); a hang fails the run
+through the timeout instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is needed",
+)
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
+TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(tmp: str, *args: str) -> tuple[list[int | None], list[str]]:
+    """Start both ranks; kill both if either is still running after TIMEOUT seconds."""
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(rank), "2", port, tmp, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    codes: list[int | None] = []
+    logs: list[str] = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=TIMEOUT)
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            codes.append(None)
+        logs.append(out)
+    return codes, logs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("dist"))
+    codes, logs = launch(tmp)
+    assert codes == [0, 0], f"a rank failed or hung (None = killed after {TIMEOUT}s): {codes}\n" + "\n".join(logs)
+    out = []
+    for rank in (0, 1):
+        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def scenario(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    both = [r[name] for r in runs]
+    for rank, r in enumerate(both):
+        assert "error" not in r, f"rank {rank}: {r.get('error')}"
+    return both
+
+
+def kinds(result: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(f["kind"], f["step"]) for f in result["findings"]]
+
+
+# -- one rank sees a NaN: both ranks act alike ---------------------------------------------------------
+def test_nan_on_one_rank_only_is_skipped_on_both(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "skip")
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["unchanged_at_nan"] and r1["unchanged_at_nan"]
+
+
+def test_replicas_stay_identical_after_a_nan_on_one_rank(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "skip")
+    assert r0["params"] == r1["params"]
+    assert all(v == v for v in r0["params"])  # no NaN reached the weights
+
+
+def test_rank_zero_reports_the_other_ranks_problem_with_its_parameters(runs: list[dict[str, Any]]) -> None:
+    r0, _ = scenario(runs, "skip")
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
+    assert f["step"] == 3 and f["data"]["ranks"] == [1] and f["data"]["rank"] == 0
+    assert "encoder.0.weight" in f["params"]
+    assert "rank 1: 4 gradient(s) with NaN/Inf" in r0["console"]
+    assert "Every rank skipped this update" in r0["console"]
+
+
+def test_findings_carry_the_rank_that_saw_the_problem(runs: list[dict[str, Any]]) -> None:
+    _, r1 = scenario(runs, "skip")
+    (f,) = [f for f in r1["findings"] if f["kind"] == "nonfinite_grad"]
+    assert f["step"] == 3 and f["data"]["rank"] == 1 and f["data"]["ranks"] == [1]
+
+
+def test_only_rank_zero_prints(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "skip")
+    assert "gradwatch summary" in r0["console"]
+    assert r1["console"] == ""
+
+
+def test_raise_raises_on_both_ranks_at_the_same_step(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "raise")
+    assert r0["raised"]["step"] == r1["raised"]["step"] == 3
+    assert "rank 1: 4 gradient(s) with NaN/Inf" in r0["raised"]["message"]
+
+
+# -- DDP -----------------------------------------------------------------------------------------------
+def test_ddp_nan_is_skipped_on_both_ranks_and_names_both(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_nan")
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["params"] == r1["params"]
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_grad"]
+    assert f["data"]["ranks"] == [0, 1]  # DDP's all-reduce carried rank 1's NaN to rank 0
+    assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
+
+
+@pytest.mark.parametrize("which", ["ddp_unused_wrapped", "ddp_unused_inner"])
+def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[str, Any]], which: str) -> None:
+    r0, r1 = scenario(runs, which)
+    for r in (r0, r1):
+        (f,) = [f for f in r["findings"] if f["kind"] == "none_grad"]
+        assert f["params"] == ["aux.weight", "aux.bias"]  # no "module." prefix from the DDP wrapper
+
+
+# -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------
+def test_fsdp_norms_are_the_norms_over_all_shards(runs: list[dict[str, Any]]) -> None:
+    for r in scenario(runs, "fsdp"):
+        assert not r["findings"]
+        for reference, reported in zip(r["reference"], r["reported"]):
+            assert reported.keys() == reference.keys()
+            for name, value in reference.items():
+                assert reported[name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_fsdp_nan_in_one_ranks_shard_is_skipped_on_both(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "fsdp_nan")
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["params"] == r1["params"]
+    assert kinds(r0) == [("nonfinite_on_other_rank", 3)]
+    (f,) = r1["findings"]
+    assert (f["kind"], f["params"], f["data"]["rank"]) == ("nonfinite_grad", ["encoder.0.weight"], 1)
