@@ -22,8 +22,9 @@ import linecache
 import os
 import re
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -51,7 +52,11 @@ _NONSCALAR = "grad can be implicitly created only for"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-_LIBRARY_MARKERS = (os.sep + "lightning" + os.sep, os.sep + "pytorch_lightning" + os.sep, os.sep + "lightning_fabric" + os.sep)
+_LIBRARY_MARKERS = (
+    os.sep + "lightning" + os.sep,
+    os.sep + "pytorch_lightning" + os.sep,
+    os.sep + "lightning_fabric" + os.sep,
+)
 
 _CULPRITS = (
     "Usual culprits: nn.ReLU(inplace=True) or F.relu(x, inplace=True) (use inplace=False); `x += y`, `x *= y` "
@@ -197,7 +202,7 @@ class _Context:
 
 
 def _is_user_file(fname: str) -> bool:
-    if fname.startswith(_TORCH_DIR) or fname.startswith(_OWN_DIR):
+    if fname.startswith((_TORCH_DIR, _OWN_DIR)):
         return False
     if any(m in fname for m in _LIBRARY_MARKERS):
         return False
@@ -253,7 +258,7 @@ def _saved_error(node: Any) -> str | None:
             getattr(node, attr)
         except RuntimeError as e:
             return str(e)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S112 - an attribute that is not a tensor: nothing to learn
             continue
     return None
 
@@ -282,7 +287,17 @@ def _own_param(ctx: _Context, node: Any) -> tuple[str, str] | None:
         found = ctx.param_of(child)
         if found is not None:
             return found
-        if node_op(child) in ("T", "Transpose", "View", "Reshape", "Expand", "Permute", "AsStrided", "Unsqueeze", "Squeeze"):
+        if node_op(child) in (
+            "T",
+            "Transpose",
+            "View",
+            "Reshape",
+            "Expand",
+            "Permute",
+            "AsStrided",
+            "Unsqueeze",
+            "Squeeze",
+        ):
             for grandchild in _children(child):
                 found = ctx.param_of(grandchild)
                 if found is not None:
@@ -316,7 +331,12 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     if roots:
         for node, _ in _walk(roots):
             err = _saved_error(node)
-            if err and "modified by an inplace operation" in err and shape_text in err and f"is at version {now};" in err:
+            if (
+                err
+                and "modified by an inplace operation" in err
+                and shape_text in err
+                and f"is at version {now};" in err
+            ):
                 consumer = node
                 break
     if consumer is not None and op is not None:
@@ -408,8 +428,10 @@ def _inplace_traced(
     source = _with_line(record.source)
     mods: list[InplaceRecord] = ctx.tracer.modifications_of(record) if ctx.tracer is not None else []
     lines = [
-        f"backward() failed at step {ctx.step}: the output of {op} (shape {list(shape)}) was modified by an "
-        f"in-place operation after autograd saved it ({_versions_text(now, expected)}).",
+        (
+            f"backward() failed at step {ctx.step}: the output of {op} (shape {list(shape)}) was modified by an "
+            f"in-place operation after autograd saved it ({_versions_text(now, expected)})."
+        ),
         f"Where: {op} ran in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
     ]
     culprit = None
@@ -459,8 +481,10 @@ def _inplace_untraced(
     by_type = _modules_of_type(ctx, op) if op else []
     what = f"the output of {op}" if op else "a saved tensor"
     lines = [
-        f"backward() failed at step {ctx.step}: {what} (shape {list(shape)}) was modified by an in-place "
-        f"operation after autograd saved it ({_versions_text(now, expected)})."
+        (
+            f"backward() failed at step {ctx.step}: {what} (shape {list(shape)}) was modified by an in-place "
+            f"operation after autograd saved it ({_versions_text(now, expected)})."
+        )
     ]
     module = None
     where: list[str] = []
@@ -468,7 +492,9 @@ def _inplace_untraced(
         module = ctx.display_module(by_type[0])
         where.append(f"probably module {module} (the only {type(_get(ctx, by_type[0])).__name__} in the model)")
     if before is not None:
-        where.append(f"{op or 'the op'} follows module {ctx.display_module(before[1])} (nearest parameters: {before[0]})")
+        where.append(
+            f"{op or 'the op'} follows module {ctx.display_module(before[1])} (nearest parameters: {before[0]})"
+        )
         if module is None:
             module = ctx.display_module(before[1])
     if feeds is not None:
@@ -523,29 +549,45 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
     text = str(ctx.exc).split("\n")[0]
     if node_name is not None:
         op = node_op_name(node_name)
-        multi = {"Split": "split()/chunk()", "SplitWithSizes": "split()", "Unbind": "unbind() (or iterating over a tensor)"}.get(
-            op, f"{op}()"
-        )
+        multi = {
+            "Split": "split()/chunk()",
+            "SplitWithSizes": "split()",
+            "Unbind": "unbind() (or iterating over a tensor)",
+        }.get(op, f"{op}()")
         lines = [
-            f"forward failed at step {ctx.step}: output {index} of {op} — one of several views returned by "
-            f"{multi} — was modified in place.",
-            f"Where: the forward of module {shown or '<outside the model>'}" + (f", at {source}" if source else "") + ".",
-            "Why it matters: the views share memory with each other and with their base, so autograd cannot "
-            "keep the gradient of the other outputs correct; PyTorch refuses rather than compute a wrong one.",
-            f"Fix: use the out-of-place op on the view (e.g. `a = a.sigmoid()` instead of `a.sigmoid_()`, "
-            f"`a = a * 2` instead of `a *= 2`), or take a copy first (`a = a.clone()`), or apply the op to the "
-            f"whole tensor before {multi}.",
+            (
+                f"forward failed at step {ctx.step}: output {index} of {op} — one of several views returned by "
+                f"{multi} — was modified in place."
+            ),
+            f"Where: the forward of module {shown or '<outside the model>'}"
+            + (f", at {source}" if source else "")
+            + ".",
+            (
+                "Why it matters: the views share memory with each other and with their base, so autograd cannot "
+                "keep the gradient of the other outputs correct; PyTorch refuses rather than compute a wrong one."
+            ),
+            (
+                f"Fix: use the out-of-place op on the view (e.g. `a = a.sigmoid()` instead of `a.sigmoid_()`, "
+                f"`a = a * 2` instead of `a *= 2`), or take a copy first (`a = a.clone()`), or apply the op to the "
+                f"whole tensor before {multi}."
+            ),
         ]
     else:
         op = None
         lines = [
             f"forward failed at step {ctx.step}: {text}",
-            f"Where: the forward of module {shown or '<outside the model>'}" + (f", at {source}" if source else "") + ".",
-            "Why it matters: autograd cannot track an in-place change of a tensor that requires grad here; "
-            "PyTorch refuses rather than compute a wrong gradient.",
-            "Fix: use the out-of-place op (`x = x + y` instead of `x += y`), clone first (`x = x.clone()`), or "
-            "make the change under `with torch.no_grad():` if it must not be differentiated (e.g. initializing "
-            "weights).",
+            f"Where: the forward of module {shown or '<outside the model>'}"
+            + (f", at {source}" if source else "")
+            + ".",
+            (
+                "Why it matters: autograd cannot track an in-place change of a tensor that requires grad here; "
+                "PyTorch refuses rather than compute a wrong gradient."
+            ),
+            (
+                "Fix: use the out-of-place op (`x = x + y` instead of `x += y`), clone first (`x = x.clone()`), or "
+                "make the change under `with torch.no_grad():` if it must not be differentiated (e.g. initializing "
+                "weights)."
+            ),
         ]
     return Finding(
         kind="inplace_error",
@@ -565,7 +607,8 @@ def _backward_twice(ctx: _Context) -> Finding:
     old_edges: list[tuple[Any, Any, int]] = []  # (newer consumer, older node, depth of consumer)
     if roots and seq is not None:
         for node, depth in _walk(roots):
-            if _seq(node) is None or _seq(node) < seq:
+            own = _seq(node)
+            if own is None or own < seq:
                 continue
             for child in _children(node):
                 s = _seq(child)
@@ -575,10 +618,14 @@ def _backward_twice(ctx: _Context) -> Finding:
                 break
     data: dict[str, Any] = {"earlier_step_nodes": len(old_edges)}
     lines = [
-        f"backward() failed at step {ctx.step}: it reached part of an autograd graph whose saved tensors were "
-        "already freed by an earlier backward().",
-        "Why it matters: backward() frees the intermediate values of the graph it went through (unless "
-        "retain_graph=True), so a second backward through the same ops cannot compute their gradients.",
+        (
+            f"backward() failed at step {ctx.step}: it reached part of an autograd graph whose saved tensors were "
+            "already freed by an earlier backward()."
+        ),
+        (
+            "Why it matters: backward() frees the intermediate values of the graph it went through (unless "
+            "retain_graph=True), so a second backward through the same ops cannot compute their gradients."
+        ),
     ]
     module = None
     if old_edges:
@@ -704,8 +751,10 @@ def _no_grad_graph(ctx: _Context) -> Finding:
         )
     shape = list(loss.shape) if loss is not None else None
     lines = [
-        f"backward() failed at step {ctx.step}: the loss has no autograd graph (requires_grad=False, no "
-        "grad_fn), so there is nothing to differentiate.",
+        (
+            f"backward() failed at step {ctx.step}: the loss has no autograd graph (requires_grad=False, no "
+            "grad_fn), so there is nothing to differentiate."
+        ),
         "Cause: " + causes[0],
         "Why it matters: no gradient can reach the parameters; nothing would be learned.",
     ]
@@ -734,26 +783,40 @@ def _nonscalar(ctx: _Context) -> Finding:
     roots = ctx.roots()
     loss = roots[0] if roots else None
     shape = list(loss.shape) if loss is not None else None
-    node = loss.grad_fn.name() if loss is not None and loss.grad_fn is not None else None
+    grad_fn = loss.grad_fn if loss is not None else None
+    node = grad_fn.name() if grad_fn is not None else None
     module = None
     if loss is not None and loss.grad_fn is not None:
-        own = _own_param(ctx, loss.grad_fn)
-        if own is not None:
-            module = ctx.display_module(own[1])
+        # Down a short chain of single-input ops (Lightning divides by accumulate_grad_batches, a loss
+        # may be scaled): is this the unreduced output of a module?
+        n: Any = loss.grad_fn
+        for _ in range(4):
+            own = _own_param(ctx, n)
+            if own is not None:
+                module = ctx.display_module(own[1])
+                break
+            inner = [c for c in _children(n) if not hasattr(c, "variable")]
+            if len(inner) != 1 or _children(n) != inner:
+                break
+            n = inner[0]
     shape_text = f" of shape {shape}" if shape is not None else ""
     origin = ""
     if module is not None:
-        origin = f" It is the output of module {module} itself (the model output was passed to backward())."
-    elif node is not None:
-        origin = f" It is the output of {node_op(loss.grad_fn)}."
+        origin = f" It comes straight from the output of module {module}, with no reduction in between."
+    elif grad_fn is not None:
+        origin = f" It is the output of {node_op(grad_fn)}."
     lines = [
         f"backward() failed at step {ctx.step}: it was called on a tensor{shape_text}, not a scalar, and without "
         "a gradient argument." + origin,
-        "Why it matters: backward() without arguments needs one number to differentiate; for a tensor it would "
-        "need the gradient of something with respect to each element.",
-        "Fix: reduce it to the loss you mean — `loss.mean()` or `loss.sum()` (a loss function with "
-        "reduction='none' returns one value per element) — or pass the gradient explicitly: "
-        "`out.backward(gradient=torch.ones_like(out))`.",
+        (
+            "Why it matters: backward() without arguments needs one number to differentiate; for a tensor it would "
+            "need the gradient of something with respect to each element."
+        ),
+        (
+            "Fix: reduce it to the loss you mean — `loss.mean()` or `loss.sum()` (a loss function with "
+            "reduction='none' returns one value per element) — or pass the gradient explicitly: "
+            "`out.backward(gradient=torch.ones_like(out))`."
+        ),
     ]
     return Finding(
         kind="nonscalar_backward",
@@ -761,6 +824,6 @@ def _nonscalar(ctx: _Context) -> Finding:
         severity="error",
         message="\n".join(lines),
         module=module,
-        op=None if node is None else node_op(loss.grad_fn),
+        op=None if grad_fn is None else node_op(grad_fn),
         data={"shape": shape, "node": node},
     )

@@ -65,9 +65,13 @@ class InplaceRecord:
 
 def func_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or repr(func)
-    return {"__iadd__": "+=", "__isub__": "-=", "__imul__": "*=", "__itruediv__": "/=", "__setitem__": "x[idx] = ..."}.get(
-        name, name
-    )
+    return {
+        "__iadd__": "+=",
+        "__isub__": "-=",
+        "__imul__": "*=",
+        "__itruediv__": "/=",
+        "__setitem__": "x[idx] = ...",
+    }.get(name, name)
 
 
 def user_source(depth: int = 2, limit: int = 12) -> str | None:
@@ -151,7 +155,9 @@ class ForwardTracer:
             return
         targets = [model]
         children = list(model.children())
-        if (self.integration == "lightning" or type(model).forward is nn.Module.forward) and len(children) <= MAX_CHILDREN:
+        if (self.integration == "lightning" or type(model).forward is nn.Module.forward) and len(
+            children
+        ) <= MAX_CHILDREN:
             # The model's own forward may never run (a LightningModule's training_step calling
             # self.encoder(x), a ModuleDict of generator and discriminator).
             targets.extend(children)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -75,7 +75,9 @@ def batches(n: int) -> list[torch.Tensor]:
     return [torch.randn(4, 4, generator=g) for _ in range(n)]
 
 
-def run(model: nn.Module, body: Callable[[int, torch.Tensor, torch.optim.Optimizer], None], steps: int = 4, **config: object) -> gradwatch.Watcher:
+def run(
+    model: nn.Module, body: Callable[[int, torch.Tensor, torch.optim.Optimizer], None], steps: int = 4, **config: object
+) -> gradwatch.Watcher:
     """Run ``body`` for each step inside a watch block; the exception it raises propagates."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     config.setdefault("console", False)

@@ -5,7 +5,7 @@ clearing or accumulating gradients."""
 from __future__ import annotations
 
 import io
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -42,7 +42,9 @@ def zero_kinds(gw: gradwatch.Watcher) -> list[tuple[str, int]]:
     return [k for k in kinds(gw) if k[0] in ZERO_KINDS]
 
 
-def loop(clear: Callable[[nn.Module, torch.optim.Optimizer], None], steps: int = 5, **config: object) -> gradwatch.Watcher:
+def loop(
+    clear: Callable[[nn.Module, torch.optim.Optimizer], None], steps: int = 5, **config: object
+) -> gradwatch.Watcher:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -226,7 +228,7 @@ def test_lbfgs_closure_is_silent() -> None:
     with gradwatch.watch(model, opt, console=False) as gw:
         for x in batches(3):
 
-            def closure() -> torch.Tensor:
+            def closure(x: torch.Tensor = x) -> torch.Tensor:
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
                 loss.backward()

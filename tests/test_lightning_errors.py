@@ -1,0 +1,196 @@
+"""Forgotten ``zero_grad`` and autograd errors through a Lightning ``Trainer``: the same findings as in a
+plain loop, detected from the gradients themselves (manual optimization never fires
+``on_before_zero_grad``), and the original exception re-raised by ``trainer.fit``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import tiny_data, tiny_trainer
+
+pl = pytest.importorskip("lightning.pytorch")
+from gradwatch.lightning import GradWatchCallback
+
+ZERO_KINDS = ("zero_grad_missing", "grads_cleared_before_step")
+
+
+def net() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.ReLU(), nn.Linear(16, 1))
+
+
+class Manual(pl.LightningModule):
+    """Manual optimization, one optimizer; ``zero`` says where zero_grad is called."""
+
+    def __init__(self, zero: str = "before_backward") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.net = net()
+        self.zero = zero
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.zero == "before_backward":
+            opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return tiny_data()
+
+
+class Automatic(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self) -> Any:
+        return tiny_data()
+
+
+class Gan(pl.LightningModule):
+    """D steps twice per G step; G's backward also fills D's gradients; each zeroed on its own schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_d, opt_g = self.optimizers()
+        x, _ = batch
+        for _ in range(2):
+            opt_d.zero_grad()
+            fake = self.gen(torch.randn_like(x)).detach()
+            self.manual_backward(self.disc(fake).mean() - self.disc(x).mean())
+            opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(-self.disc(self.gen(torch.randn_like(x))).mean())
+        opt_g.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.disc.parameters(), lr=0.01), torch.optim.SGD(self.gen.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return tiny_data()
+
+
+def fit(module: Any, **trainer_kwargs: Any) -> GradWatchCallback:
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(pl, [cb], **trainer_kwargs).fit(module)
+    return cb
+
+
+def zero_kinds(cb: GradWatchCallback) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in cb.findings if f.kind in ZERO_KINDS]
+
+
+# -- zero_grad -------------------------------------------------------------------------------------
+def test_manual_optimization_without_zero_grad_is_flagged_at_step_1() -> None:
+    cb = fit(Manual(zero="never"), max_steps=4)
+    assert zero_kinds(cb) == [("zero_grad_missing", 1)]
+    f = cb.findings[0]
+    assert set(f.params) == {"net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"}
+
+
+def test_manual_optimization_with_zero_grad_is_silent() -> None:
+    assert fit(Manual(), max_steps=4).findings == []
+
+
+def test_gan_with_optimizers_zeroed_on_their_own_schedules_is_silent() -> None:
+    assert fit(Gan(), max_steps=9).findings == []
+
+
+def test_accumulate_grad_batches_is_silent() -> None:
+    assert fit(Automatic(), max_steps=3, accumulate_grad_batches=3).findings == []
+
+
+def test_gradient_clipping_is_silent() -> None:
+    assert fit(Automatic(), max_steps=4, gradient_clip_val=1e-3).findings == []
+
+
+# -- autograd errors -------------------------------------------------------------------------------
+class Broken(Automatic):
+    def __init__(self, bug: str) -> None:
+        super().__init__()
+        self.bug = bug
+        self.kept: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if self.bug == "inplace":
+            self.net[2].inplace = True  # ReLU(inplace=True) right after the Sigmoid
+        if self.bug == "no_grad":
+            with torch.no_grad():
+                return nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if self.bug == "nonscalar":
+            return out
+        loss = nn.functional.mse_loss(out, y)
+        if self.bug == "running_total":
+            self.kept = loss if self.kept is None else self.kept + loss
+            return self.kept
+        return loss
+
+
+def test_inplace_error_names_the_module_and_fit_reraises_it() -> None:
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match=re.escape("which is output 0 of Sigmoid, is at version 1")) as raised:
+        tiny_trainer(pl, [cb], max_steps=3).fit(Broken("inplace"))
+    assert type(raised.value) is RuntimeError
+    [f] = [f for f in cb.findings if f.kind == "inplace_error"]
+    assert (f.step, f.op, f.module) == (0, "Sigmoid", "net.1")
+    assert f.data["modified_in"] == "net.2"
+
+
+def test_backward_twice_from_a_running_total_is_explained() -> None:
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        tiny_trainer(pl, [cb], max_steps=3).fit(Broken("running_total"))
+    [f] = [f for f in cb.findings if f.kind == "backward_twice"]
+    assert (f.step, f.data["cause"]) == (1, "running_total")
+
+
+def test_loss_computed_under_no_grad_is_explained() -> None:
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        tiny_trainer(pl, [cb], max_steps=3).fit(Broken("no_grad"))
+    [f] = [f for f in cb.findings if f.kind == "no_grad_graph"]
+    assert (f.step, f.data["cause"]) == (0, "forward_under_no_grad")
+
+
+def test_nonscalar_loss_is_explained() -> None:
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        tiny_trainer(pl, [cb], max_steps=3).fit(Broken("nonscalar"))
+    [f] = [f for f in cb.findings if f.kind == "nonscalar_backward"]
+    assert f.data["shape"] == [8, 1]
+    assert f.module == "net.3"
+
+
+def test_two_optimizers_zeroed_each_step_are_silent_in_either_namespace(pl_ns: Any) -> None:
+    from tests.conftest import manual_module
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(pl_ns, [cb], max_steps=6).fit(manual_module(pl_ns))
+    assert [f.kind for f in cb.findings if f.kind in ZERO_KINDS] == []
