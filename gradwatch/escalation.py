@@ -344,7 +344,10 @@ class Escalation:
         return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(named, rows) if c[0] or c[1]]
 
     def _poisoned_params(self) -> list[str]:
-        params = [(n, p) for n, p in self.engine.index.model_params if p.is_floating_point() and not p.is_meta]
+        named = list(self.engine.index.model_params)
+        if self.model is not None:
+            named += list(self.model.named_buffers())  # e.g. BatchNorm running statistics gone NaN
+        params = [(n, p) for n, p in named if p.is_floating_point() and not p.is_meta and p.numel() > 0]
         if not params:
             return []
         batch = SyncBatch()
@@ -783,7 +786,7 @@ def _poisoned_finding(step: int, names: list[str], policy: str, layers: list[dic
         step=step,
         severity="error",
         message=(
-            f"The weights themselves hold NaN/Inf at step {step}: {names_text(names)}. An earlier "
+            f"The weights or buffers themselves hold NaN/Inf at step {step}: {names_text(names)}. An earlier "
             "non-finite update was applied"
             + (" (on_nonfinite='warn')" if policy == "warn" else "")
             + ", so every later step is non-finite too and cannot be localized any more.\nFix: see the "
@@ -904,7 +907,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "from a custom autograd Function.\nFix: see the per-layer table; the next "
             "steps run with anomaly mode on."
         )
-        return Finding(kind="nan_origin", step=step, severity="error", message=message, module=loc.first_module, data=data)
+        return Finding(kind="nan_origin", step=step, severity="warning", message=message, module=loc.first_module, data=data)
     module = origin.module
     where_module = module if module is not None else ("training_step" if result.lightning else "outside any module")
     data.update(

@@ -356,3 +356,10 @@ def test_two_optimizers_one_origin_finding_per_step() -> None:
             opt_a.step()
             opt_b.step()
     assert [(f.step, f.op) for f in origins(gw)] == [(BAD_STEP, "DivBackward0")]
+
+
+def test_poisoned_weights_after_warn_update_reported_once() -> None:
+    gw = train(Net("log"), "log", steps=6, on_nonfinite="warn")
+    later = [f for f in origins(gw) if f.step > BAD_STEP]
+    assert [(f.step, f.data["phase"]) for f in later] == [(BAD_STEP + 1, "weights")]
+    assert "encoder.logscale.proj.weight" in later[0].params
