@@ -1,0 +1,1231 @@
+"""Reproductions of real bug reports, as a user would meet them in a plain training loop.
+
+Each test rebuilds, on a tiny CPU model, the training code of one public bug report or forum thread
+(cited above the test) and asserts what gradwatch must say about it through the public API only:
+``gradwatch.watch`` and the fields of :class:`gradwatch.Finding` (kind, step, severity, params, module,
+op, data). Healthy patterns that users rely on (accumulation, frozen layers, tied weights, several
+optimizers, AMP, clipping, schedules) must produce no warning at all.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+from gradwatch import Finding, GradWatchError
+
+NONFINITE = ("nonfinite_grad", "nonfinite_loss")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+def show(findings: list[Finding]) -> str:
+    return "\n".join(
+        f"  {f.kind}@{f.step} [{f.severity}] op={f.op} module={f.module} params={list(f.params[:4])}"
+        for f in findings
+    ) or "  (no findings)"
+
+
+def of(findings: list[Finding], kind: str) -> list[Finding]:
+    return [f for f in findings if f.kind == kind]
+
+
+def problems(findings: list[Finding]) -> list[Finding]:
+    """Findings a user would have to act on (warnings and errors)."""
+    return [f for f in findings if f.severity in ("warning", "error")]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def unchanged(before: dict[str, torch.Tensor], model: nn.Module) -> bool:
+    return all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+
+
+def batches(n: int, shape: tuple[int, ...] = (8, 8), seed: int = 0) -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield torch.randn(*shape, generator=g)
+
+
+def watch(model: nn.Module, opt: Any, **config: Any) -> gradwatch.Watcher:
+    config.setdefault("console", quiet())
+    return gradwatch.watch(model, opt, **config)
+
+
+def reference_error(fn: Callable[[], None]) -> BaseException:
+    """The exception ``fn`` raises without gradwatch (to compare with the one raised under it)."""
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("the reproduction does not raise without gradwatch")
+
+
+# == NaN and Inf sources ===========================================================================
+class ProbHead(nn.Module):
+    """Log of softmax probabilities, written by hand instead of log_softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.fc(h), dim=-1))
+
+
+class SoftmaxClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = ProbHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def train_softmax_classifier(policy: str, bad_step: int = 3, steps: int = 6) -> tuple[gradwatch.Watcher, dict[int, Any]]:
+    model = SoftmaxClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    y = torch.arange(8) % 5
+    snaps: dict[int, Any] = {}
+    with watch(model, opt, on_nonfinite=policy) as gw:
+        for step, x in enumerate(batches(steps)):
+            if step == bad_step:
+                x = x * 1e4  # an unnormalised batch: softmax underflows to exactly 0 for some classes
+            snaps[step] = snapshot(model)
+            loss = F.nll_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        snaps[steps] = snapshot(model)
+    return gw, snaps
+
+
+# https://github.com/summerlvsong/Aggregation-Cross-Entropy/issues/2
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_log_of_softmax_underflow_names_log_op_and_head_module(policy: str) -> None:
+    gw, _ = train_softmax_classifier(policy)
+    assert not [f for f in gw.findings if f.kind in NONFINITE and f.step < 3], show(gw.findings)
+    assert {f.kind for f in gw.findings if f.step == 3} >= {"nonfinite_grad", "nan_origin"}, show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 3, show(gw.findings)
+    assert (origin[0].op, origin[0].module) == ("LogBackward0", "head"), show(origin)
+
+
+# https://github.com/pytorch/pytorch/issues/795
+def test_log_of_softmax_underflow_update_is_skipped_and_training_continues() -> None:
+    gw, snaps = train_softmax_classifier("skip")
+    for n in snaps[3]:
+        assert torch.equal(snaps[3][n], snaps[4][n]), n
+    assert not torch.equal(snaps[4]["head.fc.weight"], snaps[6]["head.fc.weight"])  # later steps still train
+    assert all(torch.isfinite(p).all() for p in snaps[6].values())
+    assert gw.summary().steps_skipped == 1
+
+
+# https://github.com/pytorch/pytorch/issues/795
+def test_log_of_softmax_underflow_is_explained_on_the_console() -> None:
+    out = quiet()
+    model = SoftmaxClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, console=out):
+        for step, x in enumerate(batches(5)):
+            loss = F.nll_loss(model(x * (1e4 if step == 3 else 1)), torch.arange(8) % 5)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    text = out.file.getvalue()
+    assert "nan_origin at step 3" in text, text
+    assert "LogBackward0" in text and "module head" in text, text
+    assert "log_softmax" in text, text  # the usual fix for log(softmax(x))
+
+
+class Siamese(nn.Module):
+    """Contrastive loss on the Euclidean distance of two embeddings."""
+
+    def __init__(self, batchnorm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        norm: list[nn.Module] = [nn.BatchNorm1d(16)] if batchnorm else []
+        self.embed = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 4))
+        self.distance = PairDistance()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        u, v = self.embed(torch.cat([a, b])).chunk(2)  # one batch through the shared tower
+        return self.distance(u, v)
+
+
+class PairDistance(nn.Module):
+    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Written out by hand (torch.norm itself has returned a zero subgradient at 0 since the report).
+        return torch.sqrt(((u - v) ** 2).sum(dim=1))
+
+
+# https://github.com/pytorch/pytorch/issues/2421
+def test_zero_distance_pair_gives_nan_gradient_with_finite_loss_named_at_the_sqrt() -> None:
+    model = Siamese()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    same = torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 0])
+    with watch(model, opt) as gw:
+        for step, a in enumerate(batches(5)):
+            b = torch.randn(8, 8)
+            if step == 2:
+                b[0] = a[0]  # a positive pair made of the same image twice
+            d = model(a, b)
+            loss = (same * d.pow(2) + (1 - same) * F.relu(1.0 - d).pow(2)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    at2 = [f for f in gw.findings if f.step == 2]
+    assert {f.kind for f in at2} >= {"nonfinite_grad", "nan_origin"}, show(gw.findings)
+    assert not of(gw.findings, "nonfinite_loss"), "the loss stays finite: only the gradient is NaN"
+    origin = of(at2, "nan_origin")[0]
+    assert (origin.op, origin.module) == ("SqrtBackward0", "distance"), show(at2)
+    assert origin.data.get("phase") == "backward"
+
+
+class HandLayerNorm(nn.Module):
+    """The LayerNorm of many tutorials: ``gamma * (x - mean) / (sqrt(var) + eps) + beta``."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.beta = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        std = torch.sqrt(x.var(-1, keepdim=True))
+        return self.gamma * (x - mean) / (std + self.eps) + self.beta
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16, bias=False)
+        self.norm = HandLayerNorm(16)
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Encoder()
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.encoder.norm(self.encoder.proj(x)))
+
+
+# https://github.com/keras-team/keras/issues/2960
+def test_constant_padding_rows_in_hand_written_layernorm_name_the_sqrt() -> None:
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(6, (2, 6, 8))):
+            if step == 4:
+                x[:, 4:] = 0.0  # a shorter sequence, padded with zero feature vectors
+            y = torch.zeros(2, 6, dtype=torch.long)
+            loss = F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    at4 = [f for f in gw.findings if f.step == 4]
+    grad = of(at4, "nonfinite_grad")
+    assert grad and "encoder.proj.weight" in grad[0].params, show(gw.findings)
+    origin = of(at4, "nan_origin")
+    assert origin and (origin[0].op, origin[0].module) == ("SqrtBackward0", "encoder.norm"), show(at4)
+    assert not of(gw.findings, "nonfinite_loss")
+
+
+class Detector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.classifier = nn.Sequential(nn.Linear(16, 1), nn.Sigmoid())  # probabilities, not logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.backbone(x)).squeeze(1)
+
+
+def train_detector_with_hand_written_bce() -> gradwatch.Watcher:
+    model = Detector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.tensor([0.0, 1, 0, 1, 0, 1, 0, 1])
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(6)):
+            if step in (2, 3):
+                x = x * 500  # a shard of unnormalised data: the sigmoid returns exactly 0.0 and 1.0
+            p = model(x)
+            loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return gw
+
+
+# https://github.com/pytorch/pytorch/issues/49844
+def test_hand_written_bce_on_saturated_sigmoid_is_attributed_to_the_loss() -> None:
+    gw = train_detector_with_hand_written_bce()
+    assert [f.step for f in of(gw.findings, "nonfinite_loss")] == [2, 3], show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 2, show(gw.findings)
+    assert origin[0].data.get("phase") == "loss", origin[0].data.get("phase")
+
+
+# https://github.com/pytorch/pytorch/issues/24933
+@pytest.mark.xfail(
+    strict=True,
+    reason="nan_origin for a NaN born in the loss code outside the model keeps op=None even when it recurs "
+    "inside the escalation window with observe_loss(): the localizer only records ops run inside the "
+    "watched model's forward (escalation.py _origin_finding, phase='loss')",
+)
+def test_hand_written_bce_recurring_in_the_escalation_window_names_the_log() -> None:
+    gw = train_detector_with_hand_written_bce()
+    at3 = [f for f in of(gw.findings, "nan_origin") if f.step == 3]
+    assert at3 and at3[0].op == "LogBackward0", show(gw.findings)
+
+
+class VAEEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.mu = nn.Linear(16, 4)
+        self.logvar = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.fc(x))
+        return self.mu(h), self.logvar(h)
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = VAEEncoder()
+        self.sampler = Reparameterize()
+        self.decoder = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.encoder(x)
+        return self.decoder(self.sampler(mu, logvar)), mu, logvar
+
+
+class Reparameterize(nn.Module):
+    def forward(self, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+        std = torch.exp(0.5 * logvar)
+        return mu + std * torch.randn_like(std)
+
+
+# https://github.com/chainer/chainer/issues/6168
+def test_fp16_vae_exp_overflow_names_exp_in_the_sampler() -> None:
+    model = VAE().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            x = x.half()
+            if step == 3:
+                x = x * 300  # a bright outlier image: logvar far beyond fp16's exp range (~11)
+            recon, mu, logvar = model(x)
+            kl = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+            loss = F.mse_loss(recon, x) + kl
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in gw.findings if f.kind in NONFINITE and f.step < 3] == [], show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 3, show(gw.findings)
+    assert (origin[0].op, origin[0].module) == ("ExpBackward0", "sampler"), show(origin)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # "skip" kept the fp16 weights
+
+
+class CharRNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.RNN(4, 32, nonlinearity="relu", batch_first=True)
+        self.out = nn.Linear(32, 4)
+        with torch.no_grad():  # a large recurrent init: the spectral radius is well above 1
+            self.rnn.weight_hh_l0.copy_(torch.eye(32) * 1.6 + 0.01 * torch.randn(32, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+# https://github.com/pytorch/pytorch/issues/2623
+def test_exploding_rnn_is_reported_before_the_loss_goes_nan() -> None:
+    model = CharRNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt, on_nonfinite="warn") as gw:
+        for x in batches(3, (4, 30, 4)):
+            loss = F.mse_loss(model(x.abs()), torch.zeros(4, 4))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    exploding = of(gw.findings, "exploding_grad")
+    assert exploding and exploding[0].step == 0, show(gw.findings)
+    first_nonfinite = min((f.step for f in gw.findings if f.kind in NONFINITE), default=math.inf)
+    assert exploding[0].step < first_nonfinite
+    assert exploding[0].module in ("rnn", None) or "rnn" in exploding[0].message, show(exploding)
+
+
+class MLP(nn.Module):
+    def __init__(self, depth: int = 4, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(8, width), nn.ReLU()]
+        for _ in range(depth - 2):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def diverging_sgd(steps: int, gw_config: dict[str, Any] | None) -> tuple[list[float], Any]:
+    """Regression on unnormalised features with a learning rate ten times too high."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    losses: list[float] = []
+    gw = watch(model, opt, **gw_config) if gw_config is not None else None
+    try:
+        for _ in range(steps):
+            x = torch.randn(64, 8, generator=g) * 3
+            loss = F.mse_loss(model(x), x @ w)
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if gw is not None:
+            gw.close()
+    return losses, gw
+
+
+def first_nonfinite_loss() -> int:
+    losses, _ = diverging_sgd(30, None)
+    return next(i for i, v in enumerate(losses) if not math.isfinite(v))
+
+
+# https://github.com/facebookresearch/maskrcnn-benchmark/issues/295
+def test_learning_rate_too_high_first_nonfinite_finding_is_at_the_first_nonfinite_loss() -> None:
+    bad = first_nonfinite_loss()
+    _, gw = diverging_sgd(bad + 1, {"on_nonfinite": "warn"})
+    nonfinite = [f for f in gw.findings if f.kind in NONFINITE]
+    assert nonfinite and min(f.step for f in nonfinite) == bad, show(gw.findings) + f"\nfirst bad loss: {bad}"
+
+
+# https://github.com/pavancm/CONTRIQUE/issues/8
+def test_learning_rate_too_high_exploding_gradient_is_warned_before_the_nan() -> None:
+    bad = first_nonfinite_loss()
+    _, gw = diverging_sgd(bad + 1, {"on_nonfinite": "warn"})
+    exploding = of(gw.findings, "exploding_grad")
+    assert exploding and exploding[0].step < bad, show(gw.findings) + f"\nfirst bad loss: {bad}"
+
+
+# https://github.com/CharlieDinh/pFedMe/issues/11
+def test_learning_rate_too_high_update_ratio_is_warned_when_measured_every_step() -> None:
+    bad = first_nonfinite_loss()
+    _, gw = diverging_sgd(bad + 1, {"on_nonfinite": "warn", "update_ratio_every": 1})
+    high = of(gw.findings, "update_ratio_high")
+    assert high and high[0].step < bad, show(gw.findings) + f"\nfirst bad loss: {bad}"
+    assert "learning rate" in high[0].message
+
+
+# https://github.com/EmbarkStudios/emote/issues/20
+def test_learning_rate_too_high_under_skip_stops_with_a_report_after_max_skips() -> None:
+    bad = first_nonfinite_loss()
+    with pytest.raises(GradWatchError) as raised:
+        diverging_sgd(bad + 20, {"on_nonfinite": "skip", "max_skips": 5})
+    assert raised.value.findings, "the error carries the findings"
+    assert "skip" in str(raised.value)
+
+
+class Block(nn.Module):
+    """A residual block written with the in-place add after the activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Linear(16, 16)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.conv1(x))
+        out = self.relu(self.conv2(out))
+        out += identity
+        return out
+
+
+class ResNetish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 16)
+        self.layer1 = nn.Sequential(OrderedDict([("0", Block())]))
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer1(self.stem(x)))
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+# == autograd errors ================================================================================
+# https://github.com/pytorch/vision/issues/807
+def test_inplace_residual_add_after_relu_names_relu_module_and_reraises_unchanged() -> None:
+    expected = reference_error(lambda: ResNetish()(torch.randn(8, 8)).sum().backward())
+    model = ResNetish()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as raised:
+        with watch(model, opt) as gw:
+            for x in batches(3):
+                plain_step(model, opt, x)
+    assert type(raised.value) is RuntimeError and str(raised.value) == str(expected)
+    f = of(gw.findings, "inplace_error")
+    assert len(f) == 1 and f[0].step == 0, show(gw.findings)
+    assert (f[0].op, f[0].module) == ("Relu", "layer1.0.relu"), show(f)
+    assert "x += " in f[0].message or "+=" in f[0].message
+
+
+class GatedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.gate = nn.Sigmoid()
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.gate(self.fc(x))))
+
+
+# https://github.com/pytorch/pytorch/issues/9391
+def test_inplace_relu_after_sigmoid_names_the_sigmoid_module() -> None:
+    model = GatedHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with watch(model, opt) as gw:
+            for x in batches(3):
+                plain_step(model, opt, x)
+    f = of(gw.findings, "inplace_error")
+    assert len(f) == 1 and (f[0].step, f[0].op, f[0].module) == (0, "Sigmoid", "gate"), show(gw.findings)
+    assert "inplace=True" in f[0].message
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        img = torch.tanh(self.main(z))
+        img[:, 0] = 0.0  # blank out the first channel, in place
+        return img
+
+
+class Discriminator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.main = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
+
+
+class GAN(nn.Module):
+    def __init__(self, gen: nn.Module | None = None) -> None:
+        super().__init__()
+        self.G = gen if gen is not None else Generator()
+        self.D = Discriminator()
+
+
+# https://github.com/pytorch/pytorch/issues/9391
+def test_index_assignment_on_tanh_output_in_generator_names_the_generator() -> None:
+    gan = GAN()
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=2e-4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with watch(gan, opt_g) as gw:
+            z = torch.randn(8, 4)
+            loss = -torch.log(gan.D(gan.G(z))).mean()
+            opt_g.zero_grad()
+            loss.backward()
+            opt_g.step()
+    f = of(gw.findings, "inplace_error")
+    assert len(f) == 1 and (f[0].op, f[0].module) == ("Tanh", "G"), show(gw.findings)
+    assert "x[idx]" in str(f[0].data.get("modified_by")), f[0].data
+    assert "img[:, 0] = 0.0" in str(f[0].data.get("modified_at")), f[0].data
+
+
+class PlainGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.main(z)
+
+
+# https://github.com/MorvanZhou/PyTorch-Tutorial/issues/89
+def test_gan_discriminator_step_before_generator_backward_names_the_discriminator_weight() -> None:
+    gan = GAN(PlainGenerator())
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=1e-4)
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=1e-4)
+    real = torch.randn(8, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        with watch(gan, [opt_g, opt_d]) as gw:
+            for _ in range(2):
+                fake = gan.G(torch.randn(8, 4))
+                prob_real, prob_fake = gan.D(real), gan.D(fake)
+                d_loss = -torch.mean(torch.log(prob_real) + torch.log(1.0 - prob_fake))
+                g_loss = torch.mean(torch.log(1.0 - prob_fake))
+                opt_d.zero_grad()
+                d_loss.backward(retain_graph=True)
+                opt_d.step()
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+    assert type(raised.value) is RuntimeError
+    f = of(gw.findings, "inplace_error")
+    assert len(f) == 1 and f[0].step == 0, show(gw.findings)
+    assert f[0].params and f[0].params[0].startswith("D.main."), show(f)
+    assert f[0].module is not None and f[0].module.startswith("D.main."), show(f)
+    assert "optimizer.step()" in f[0].message
+
+
+class LanguageModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.decoder = nn.Linear(16, 20)
+
+    def forward(self, tokens: torch.Tensor, hidden: Any) -> tuple[torch.Tensor, Any]:
+        out, hidden = self.lstm(self.embed(tokens), hidden)
+        return self.decoder(out), hidden
+
+
+# https://discuss.pytorch.org/t/runtimeerror-trying-to-backward-through-the-graph-a-second-time-but-the-buffers-have-already-been-freed-specify-retain-graph-true-when-calling-backward-the-first-time/6795/2
+def test_lstm_hidden_state_not_detached_is_backward_twice_at_step_1() -> None:
+    model = LanguageModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, 20, (4, 61), generator=g)
+
+    def train(gw: Any = None) -> None:
+        hidden = None
+        for i in range(3):
+            chunk = stream[:, i * 20 : i * 20 + 21]
+            logits, hidden = model(chunk[:, :-1], hidden)  # hidden carried over, never detached
+            loss = F.cross_entropy(logits.reshape(-1, 20), chunk[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as raised:
+        with watch(model, opt) as gw:
+            train()
+    assert type(raised.value) is RuntimeError
+    f = of(gw.findings, "backward_twice")
+    assert len(f) == 1 and f[0].step == 1, show(gw.findings)
+    assert "detach" in f[0].message and "retain_graph" in f[0].message
+
+
+# https://discuss.pytorch.org/t/gpu-memory-increase-while-i-wanna-to-backward-with-accumulative-loss/43284
+def test_running_total_of_losses_backpropagated_is_backward_twice() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with watch(model, opt) as gw:
+            running = 0.0
+            for x in batches(4):
+                loss = model(x).pow(2).mean()
+                running = running + loss  # meant for logging, but keeps every step's graph alive
+                opt.zero_grad()
+                running.backward()
+                opt.step()
+    f = of(gw.findings, "backward_twice")
+    assert len(f) == 1 and f[0].step == 1, show(gw.findings)
+    assert ".item()" in f[0].message or "detach" in f[0].message
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/19910
+def test_loss_computed_under_no_grad_is_no_grad_graph_and_reraised_unchanged() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        with torch.no_grad():  # copied from the evaluation loop
+            loss = F.mse_loss(model(torch.randn(8, 8)), torch.zeros(8, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    expected = reference_error(step)
+    with pytest.raises(RuntimeError) as raised:
+        with watch(model, opt) as gw:
+            step()
+    assert str(raised.value) == str(expected)
+    f = of(gw.findings, "no_grad_graph")
+    assert len(f) == 1 and f[0].step == 0, show(gw.findings)
+    assert "no_grad" in f[0].message
+
+
+# https://github.com/xxlong0/SparseNeuS/issues/42
+def test_unreduced_loss_is_nonscalar_backward_with_the_fix() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    criterion = nn.MSELoss(reduction="none")
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        with watch(model, opt) as gw:
+            loss = criterion(model(torch.randn(8, 8)), torch.zeros(8, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = of(gw.findings, "nonscalar_backward")
+    assert len(f) == 1 and f[0].step == 0, show(gw.findings)
+    assert ".mean()" in f[0].message and ".sum()" in f[0].message
+
+
+class Wide(nn.Module):
+    """Two branches; BatchNorm in the first (the bug reports below use CNNs with BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+# https://github.com/pytorch/pytorch/issues/4534
+def test_batchnorm_last_batch_of_one_error_passes_through_without_a_finding() -> None:
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(17, 8)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training") as raised:
+        with watch(model, opt) as gw:
+            for x in data.split(8):  # 8, 8, then a last batch of 1
+                plain_step(model, opt, x)
+    assert type(raised.value) is ValueError
+    assert problems(gw.findings) == [], show(gw.findings)
+    assert gw.closed
+
+
+# == zero_grad and accumulation =====================================================================
+# https://theneuralbase.com/pytorch/learn/beginner/optimizer-zero-grad-clearing-old-gradients/
+def test_forgotten_zero_grad_reported_at_the_second_step_with_the_parameters() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt) as gw:
+        for x in batches(5):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+    f = of(gw.findings, "zero_grad_missing")
+    assert f and f[0].step == 1, show(gw.findings)
+    assert set(f[0].params) & {n for n, _ in model.named_parameters()}
+    assert "zero_grad" in f[0].message
+
+
+# https://velog.io/@rhss10/기본-optimizer.zerograd는-어디에-넣어주어야-할까
+def test_zero_grad_between_backward_and_step_is_reported() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = snapshot(model)
+    with watch(model, opt) as gw:
+        for x in batches(3):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.zero_grad()
+            opt.step()
+    f = of(gw.findings, "grads_cleared_before_step")
+    assert f and f[0].step == 0, show(gw.findings)
+    assert unchanged(before, model)  # nothing ever trained: the finding is the only clue
+
+
+# https://github.com/karpathy/nanoGPT/issues/605
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_accumulation_done_right_is_silent(set_to_none: bool) -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    accum = 4
+    with watch(model, opt) as gw:
+        for i, x in enumerate(batches(24)):
+            loss = model(x).pow(2).mean() / accum
+            gw.observe_loss(loss)
+            loss.backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+    assert gw.findings == [], show(gw.findings)
+    assert gw.summary().steps == 6
+
+
+# https://github.com/NVIDIA/DeepLearningExamples/issues/1112
+def test_gradient_accumulation_without_zero_grad_after_step_is_reported() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    accum = 4
+    with watch(model, opt) as gw:
+        opt.zero_grad()
+        for i, x in enumerate(batches(16)):
+            (model(x).pow(2).mean() / accum).backward()
+            if (i + 1) % accum == 0:
+                opt.step()  # zero_grad() only before the loop: every step re-applies old gradients
+    f = of(gw.findings, "zero_grad_missing")
+    assert f and f[0].step == 1, show(gw.findings)
+
+
+# == must-not-flag set-ups ==========================================================================
+class FineTune(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+        self.classifier = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.backbone(x))
+
+
+def classify(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+# https://github.com/BINE022/EEGPT/issues/18
+def test_frozen_backbone_with_optimizer_over_all_parameters_is_silent() -> None:
+    model = FineTune()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    frozen = snapshot(model.backbone)
+    with watch(model, opt) as gw:
+        for x in batches(30):
+            classify(model, opt, x)
+    assert problems(gw.findings) == [], show(gw.findings)
+    assert unchanged(frozen, model.backbone)
+
+
+# https://github.com/JIA-Lab-research/PFENet/issues/10
+@pytest.mark.xfail(
+    strict=True,
+    reason="not_in_optimizer is recomputed only when parameters are registered or param groups change "
+    "(engine._refresh_index / params.ParamIndex.rebuild); requires_grad flipped to True later is never seen",
+)
+def test_unfrozen_backbone_missing_from_the_optimizer_is_reported_when_it_becomes_trainable() -> None:
+    model = FineTune()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(8)):
+            if step == 4:
+                model.backbone.requires_grad_(True)  # "unfreeze after warm-up", optimizer left as it was
+            classify(model, opt, x)
+    assert not [f for f in gw.findings if f.step < 4 and f.severity != "info"], show(gw.findings)
+    f = of(gw.findings, "not_in_optimizer")
+    assert f and f[0].step == 4, show(gw.findings)
+    assert set(f[0].params) == {n for n, _ in model.backbone.named_parameters(prefix="backbone")}
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(30, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.lm_head = nn.Linear(16, 30, bias=False)
+        self.lm_head.weight = self.embed.weight  # weight tying
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.body(self.embed(tokens)))
+
+
+# https://github.com/OpenNMT/OpenNMT-py/pull/309
+def test_tied_input_and_output_embeddings_are_silent() -> None:
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with watch(model, opt) as gw:
+        for _ in range(30):
+            tokens = torch.randint(0, 30, (4, 9), generator=g)
+            loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 30), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert problems(gw.findings) == [], show(gw.findings)
+
+
+class LazyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.LazyLinear(16)
+        self.head = nn.LazyLinear(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.features(x)))
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/13764
+def test_lazy_modules_watched_after_the_dry_run_are_silent() -> None:
+    model = LazyNet()
+    model(torch.randn(2, 8))  # the documented dry run
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with watch(model, opt) as gw:
+        for x in batches(10):
+            plain_step(model, opt, x)
+    assert problems(gw.findings) == [], show(gw.findings)
+
+
+# https://github.com/pytorch/pytorch/pull/44538
+def test_lazy_modules_watched_before_the_first_forward_are_silent() -> None:
+    model = LazyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # built on uninitialized parameters
+    with watch(model, opt) as gw:
+        for x in batches(10):
+            plain_step(model, opt, x)
+    assert problems(gw.findings) == [], show(gw.findings)
+    assert model.features.weight.shape == (16, 8)
+
+
+# https://github.com/pytorch/examples/blob/main/dcgan/main.py (the fix proposed in pytorch/pytorch#39141)
+def test_dcgan_loop_with_two_optimizers_is_silent() -> None:
+    gan = GAN(PlainGenerator())
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    bce = nn.BCELoss()
+    with watch(gan, [opt_d, opt_g]) as gw:
+        for real in batches(30):
+            ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+            gan.D.zero_grad()
+            err_real = bce(gan.D(real), ones)
+            err_real.backward()
+            fake = gan.G(torch.randn(8, 4))
+            err_fake = bce(gan.D(fake.detach()), zeros)
+            err_fake.backward()
+            opt_d.step()
+            gan.G.zero_grad()
+            err_g = bce(gan.D(fake), ones)  # also leaves gradients on D, cleared by D.zero_grad() next time
+            err_g.backward()
+            opt_g.step()
+    assert problems(gw.findings) == [], show(gw.findings)
+
+
+# https://discuss.pytorch.org/t/what-does-the-backward-function-do/9944/2
+def test_validation_under_no_grad_inside_the_training_loop_is_silent() -> None:
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    val = torch.randn(16, 8)
+    with watch(model, opt) as gw:
+        for i, x in enumerate(batches(30)):
+            plain_step(model, opt, x)
+            if i % 10 == 9:
+                model.eval()
+                with torch.no_grad():
+                    model(val).pow(2).mean().item()
+                model.train()
+    assert problems(gw.findings) == [], show(gw.findings)
+
+
+# https://github.com/pytorch/pytorch/issues/2421 (the usual work-around: clip_grad_norm_ before step)
+def test_clip_grad_norm_with_a_nan_still_names_the_origin_and_skips() -> None:
+    model = Siamese()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before: dict[str, torch.Tensor] = {}
+    with watch(model, opt) as gw:
+        for step, a in enumerate(batches(4)):
+            b = torch.randn(8, 8)
+            if step == 2:
+                b[0] = a[0]
+                before = snapshot(model)
+            loss = model(a, b).mean()
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # spreads the one NaN to every gradient
+            opt.step()
+            if step == 2:
+                assert unchanged(before, model)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 2 and origin[0].module == "distance", show(gw.findings)
+
+
+# https://github.com/Marcovaldong/lstmp.pytorch/issues/2
+def test_clip_grad_norm_and_scheduler_on_a_healthy_run_are_silent() -> None:
+    model = MLP(depth=4, width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=60)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    with watch(model, opt) as gw:
+        for _ in range(60):
+            x = torch.randn(32, 8, generator=g)
+            loss = F.mse_loss(model(x), x @ w)
+            gw.observe_loss(loss)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            opt.step()
+            sched.step()
+    assert problems(gw.findings) == [], show(gw.findings)
+
+
+# https://github.com/lightly-ai/lightly-train/pull/653
+@pytest.mark.parametrize("hand_scaler", [True, False])
+def test_amp_overflow_steps_of_a_grad_scaler_are_not_errors(hand_scaler: bool) -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # the first steps overflow, as on a GPU
+    extra = {"scaler": scaler} if hand_scaler else {}
+    with watch(model, opt, **extra) as gw:
+        for x in batches(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() <= 2.0**16  # overflow steps did happen
+    assert problems(gw.findings) == [], show(gw.findings)
+    assert not [f for f in gw.findings if f.kind in NONFINITE + ("exploding_grad",)]
+
+
+# https://github.com/pytorch/pytorch/issues/40932
+class SelfAttentionEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h, _ = self.self_attn(h, h, h, key_padding_mask=pad)
+        return self.out(h).mean(1)
+
+
+def train_with_an_empty_sequence() -> tuple[gradwatch.Watcher, bool]:
+    model = SelfAttentionEncoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    kept = False
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5, (4, 6, 8))):
+            pad = torch.zeros(4, 6, dtype=torch.bool)
+            pad[:, 5] = True
+            if step == 3:
+                pad[2] = True  # an empty example: every key of it is padding
+            before = snapshot(model)
+            loss = F.mse_loss(model(x, pad), torch.zeros(4, 1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                kept = unchanged(before, model)
+    return gw, kept
+
+
+def test_fully_padded_sequence_in_multihead_attention_names_the_attention_module() -> None:
+    gw, kept = train_with_an_empty_sequence()
+    assert {f.kind for f in gw.findings if f.step == 3} >= {"nonfinite_loss", "nan_origin"}, show(gw.findings)
+    origin = of(gw.findings, "nan_origin")[0]
+    assert (origin.step, origin.module, origin.data.get("phase")) == (3, "self_attn", "forward"), show([origin])
+    assert kept
+
+
+# https://github.com/pytorch/pytorch/issues/41508
+@pytest.mark.xfail(
+    strict=True,
+    reason="the forward localizer records F.multi_head_attention_forward as one op and names its last "
+    "node (ViewBackward0) instead of the softmax over all -inf keys (localize.py / TorchFunctionMode "
+    "sees only the outermost torch function)",
+)
+def test_fully_padded_sequence_in_multihead_attention_names_the_softmax() -> None:
+    gw, _ = train_with_an_empty_sequence()
+    origin = of(gw.findings, "nan_origin")[0]
+    assert origin.op == "SoftmaxBackward0", show([origin]) + f"\nforward_op={origin.data.get('forward_op')}"
+
+
+# https://github.com/thtrieu/darkflow/issues/1059 ("check your labels": NaN in the data)
+@pytest.mark.xfail(
+    strict=True,
+    reason="with a BatchNorm model the NaN batch poisons running_mean/var during the user's own forward; "
+    "Escalation.on_incident checks poisoned params/buffers before the captured inputs, so it reports "
+    "nan_origin phase='weights' ('an earlier non-finite update was applied', untrue under skip) and never "
+    "nonfinite_input",
+)
+def test_nan_in_the_dataset_is_blamed_on_the_input_not_the_model() -> None:
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            if step == 1:
+                x[3, 2] = float("nan")  # a missing value in one CSV row
+            plain_step(model, opt, x)
+    f = of(gw.findings, "nonfinite_input")
+    assert f and f[0].step == 1, show(gw.findings)
+    assert not of(gw.findings, "nan_origin"), show(gw.findings)
+
+
+# https://github.com/thtrieu/darkflow/issues/1059
+def test_nan_in_the_dataset_of_an_mlp_is_blamed_on_the_input() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            if step == 1:
+                x[3, 2] = float("nan")  # a missing value in one CSV row
+            plain_step(model, opt, x)
+    f = of(gw.findings, "nonfinite_input")
+    assert f and f[0].step == 1, show(gw.findings)
+    assert not of(gw.findings, "nan_origin"), show(gw.findings)
+
+
+# https://github.com/pytorch/pytorch/issues/4534 (BatchNorm statistics must survive gradwatch's replay)
+def test_batchnorm_running_statistics_are_those_of_the_users_own_forwards() -> None:
+    def run(with_gradwatch: bool) -> nn.Module:
+        model = Siamese(batchnorm=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gw = watch(model, opt) if with_gradwatch else None
+        for step, a in enumerate(batches(5)):
+            b = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 + step))
+            if step == 2:
+                b[0] = a[0]  # NaN gradient, finite forward: BatchNorm statistics stay finite
+            opt.zero_grad()
+            model(a, b).mean().backward()
+            if with_gradwatch or step != 2:  # the reference skips the bad update by hand
+                opt.step()
+        if gw is not None:
+            assert of(gw.findings, "nan_origin"), show(gw.findings)
+            gw.close()
+        return model
+
+    ref, watched = run(False), run(True)
+    bn_ref, bn = ref.embed[1], watched.embed[1]
+    assert int(bn.num_batches_tracked) == int(bn_ref.num_batches_tracked) == 5
+    assert torch.equal(bn.running_mean, bn_ref.running_mean)
+    assert torch.equal(bn.running_var, bn_ref.running_var)
+    assert unchanged(snapshot(ref), watched)
+
+
+# == distributed ====================================================================================
+DDP_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import gradwatch
+    from rich.console import Console
+    import io
+
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(8, 8)
+            self.aux_head = nn.Linear(8, 2)  # only used by a loss that was switched off
+            self.head = nn.Linear(8, 1)
+        def forward(self, x):
+            return self.head(torch.relu(self.trunk(x)))
+
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = {"error": None}
+    gw = gradwatch.watch(model, opt, console=Console(file=io.StringIO()))
+    try:
+        for step in range(3):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    finally:
+        gw.close()
+    result["findings"] = [f.to_dict() for f in gw.findings]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.destroy_process_group()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# https://github.com/ImprintLab/MedSegDiff/issues/27
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="gloo")
+def test_ddp_unused_parameter_is_named_before_the_reduction_error(tmp_path: Any) -> None:
+    import json
+
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER)
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["error"] and "Expected to have finished reduction" in result["error"], result
+        unused = [f for f in result["findings"] if f["kind"] == "none_grad"]
+        assert unused and unused[0]["step"] == 0, result["findings"]
+        assert {p.split("module.")[-1] for p in unused[0]["params"]} == {"aux_head.weight", "aux_head.bias"}
