@@ -305,7 +305,8 @@ class Engine:
         loss_slot = -1
         if self._losses:
             device = grads[0].device if grads else self._losses[0].device
-            losses = [l.float().mean().to(device) for l in self._losses]
+            losses = [l.float().mean() for l in self._losses]
+            losses = [l if l.device == device else l.to(device, non_blocking=True) for l in losses]
             loss_slot = batch.add(torch.stack(losses))
             self._losses = []
         ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self, norm_slots=norm_slots)
@@ -313,7 +314,8 @@ class Engine:
         self._call("before_sync", ctx)
         if self.config.deferred:
             previous = self._pending
-            batch.stage()
+            batch.start_read()
+            ctx.grads = []  # read one step late: hold no gradient past the user's zero_grad
             self._pending = (stats, batch, (norm_slots, loss_slot, ctx))
             if previous is None:
                 return None, []

@@ -88,6 +88,7 @@ class SyncBatch:
         self._sizes: list[int] = []
         self._values: list[list[float]] | None = None
         self._flat: torch.Tensor | None = None
+        self._host: tuple[torch.Tensor, Any] | None = None
 
     def add(self, t: torch.Tensor) -> int:
         """Queue a tensor (any shape; read back flattened as float32). Returns its slot."""
@@ -113,11 +114,31 @@ class SyncBatch:
     def replace_flat(self, flat: torch.Tensor) -> None:
         """Swap in a processed (e.g. all-reduced) copy of :meth:`stage`'s vector."""
         self._flat = flat
+        self._host = None
+
+    def start_read(self) -> None:
+        """Start copying the staged vector to the host without blocking (deferred reads).
+
+        On CUDA the copy goes into pinned memory behind an event, so a later :meth:`resolve` waits only
+        for this batch's kernels (long finished by the next step) and makes no stream synchronisation.
+        """
+        flat = self.stage()
+        if flat is not None and flat.is_cuda and self._values is None:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._host = (host, event)
 
     def resolve(self) -> list[list[float]]:
         """The one sync: every queued tensor's values, by slot."""
         if self._values is None:
-            flat = self.stage()
+            host = self._host
+            if host is not None:
+                host[1].synchronize()
+                flat = host[0]
+            else:
+                flat = self.stage()
             values: list[float] = flat.tolist() if flat is not None else []
             out: list[list[float]] = []
             pos = 0

@@ -1,0 +1,790 @@
+"""How much does gradwatch cost per training step? Side-by-side, in one process, interleaved.
+
+Every variant (bare, a second bare as an A/A control, gradwatch in several configurations, and the
+tools people would otherwise use) trains its own copy of the same model on the same batch. Rounds run
+the variants in a freshly shuffled order, each for a few whole training steps (forward, backward,
+optimizer step, zero_grad); a variant's round time is the mean step time of its steps in that round.
+Reported per variant: the median round time and the median over rounds of its ratio to *that round's*
+bare step, so slow drifts of the machine (other processes, thermal) cancel. The A/A row shows how far
+from 1.00 two identical variants land: differences smaller than that are noise.
+
+Also measured: gradwatch's own per-step work on ready gradients (the engine's check path called
+directly, many repetitions) against the fused floor (``_foreach_norm`` + one ``isfinite`` + one sync)
+and against ``AdamW.step``; and a Lightning ``Trainer.fit`` of W2 with and without gradwatch's callback
+(each fit runs in its own thread, the threads take turns, so those are interleaved too).
+
+Usage::
+
+    python benchmarks/overhead.py --quick            # < 2 minutes
+    python benchmarks/overhead.py --out results.md   # full run, < 30 minutes
+
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gradwatch  # noqa: E402
+
+TARGETS = {
+    # (workload, variant) -> maximum median ratio to bare
+    ("W1", "gradwatch default"): 1.02,
+    ("W2", "gradwatch default"): 1.03,
+    ("W1", "gradwatch every=10"): 1.01,
+    ("W2", "gradwatch every=10"): 1.01,
+    ("W2-Lightning", "gradwatch callback"): 1.03,
+}
+OWN_VS_FLOOR = 2.0
+OWN_VS_ADAMW = 0.15
+
+
+# ------------------------------------------------------------------------------------------------
+# Workloads
+# ------------------------------------------------------------------------------------------------
+class TinyLM(nn.Module):
+    """W1: Embedding 8000x256 + learned positions, 4 encoder layers (d=256, 4 heads, ff=1024), LM head."""
+
+    def __init__(self, vocab: int = 8000, d: int = 256, layers: int = 4, seq: int = 128, tied: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=1024, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        if tied:
+            self.head.weight = self.tok.weight
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        h = self.encoder(h, mask=self.mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def deep_mlp(depth: int = 40, width: int = 256) -> nn.Module:
+    """W2: 40 x (Linear(256, 256) + ReLU): 80 small parameter tensors."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        lin = nn.Linear(width, width)
+        # He init keeps activations and gradients at scale through 40 layers; PyTorch's default init
+        # shrinks them into float32 denormals, which makes every kernel (and AdamW) 50x slower on CPU.
+        nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    make_model: Callable[[], nn.Module]
+    batch: tuple[torch.Tensor, torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    steps_per_round: int
+
+
+def make_workloads(tied: bool) -> dict[str, Workload]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8000, (8, 129), generator=g)
+
+    def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    x2 = torch.randn(64, 256, generator=g)
+    y2 = torch.randn(64, 256, generator=g)
+    return {
+        "W1": Workload(
+            "W1",
+            f"Transformer-encoder LM ({'tied' if tied else 'untied'} head), seq 128, batch 8, AdamW",
+            lambda: TinyLM(tied=tied),
+            (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
+            lm_loss,
+            steps_per_round=5,
+        ),
+        "W2": Workload(
+            "W2",
+            "MLP 40 x Linear(256,256)+ReLU, batch 64, AdamW",
+            deep_mlp,
+            (x2, y2),
+            lambda out, y: nn.functional.mse_loss(out, y),
+            steps_per_round=10,
+        ),
+    }
+
+
+def build(workload: Workload) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = workload.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants: each owns its model, optimizer and watcher (built once, alive across rounds)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Variant:
+    name: str
+    step: Callable[[], None]
+    close: Callable[[], None] = lambda: None
+    note: str = ""
+    check_after: Callable[[], str | None] = lambda: None  # e.g. "escalation window did not end"
+    times: list[float] = field(default_factory=list)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, *, before_step: Callable[[], None] | None = None,
+                around_fwd_bwd: Callable[[], Any] | None = None) -> Callable[[], None]:
+    x, y = wl.batch
+    loss_fn = wl.loss_fn
+
+    def step() -> None:
+        ctx = around_fwd_bwd() if around_fwd_bwd is not None else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _watched_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, gw: Any) -> Callable[[], None]:
+    x, y = wl.batch
+    loss_fn = wl.loss_fn
+
+    def step() -> None:
+        loss = loss_fn(model(x), y)
+        gw.observe_loss(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _bare(wl: Workload, name: str, tmp: str) -> Variant:
+    model, opt = build(wl)
+    return Variant(name, _train_step(model, opt, wl))
+
+
+def _gradwatch(wl: Workload, name: str, tmp: str, **config: Any) -> Variant:
+    model, opt = build(wl)
+    log_dir = tempfile.mkdtemp(prefix=f"gw-{wl.name}-", dir=tmp)
+    sink = io.StringIO()
+    from rich.console import Console
+
+    gw = gradwatch.watch(model, opt, log_dir=log_dir, console=Console(file=sink, width=120, color_system=None), **config)
+
+    def check_quiet() -> str | None:
+        if gw.findings:
+            kinds = sorted({f.kind for f in gw.findings})
+            return f"findings on a healthy run: {', '.join(kinds)}"
+        return None
+
+    return Variant(name, _watched_step(model, opt, wl, gw), close=gw.close, check_after=check_quiet)
+
+
+def _escalated(wl: Workload, name: str, tmp: str) -> Variant | str:
+    """gradwatch with its escalation window held open (reference only)."""
+    try:
+        from gradwatch import escalation  # noqa: F401
+    except ImportError:
+        return "escalation is not available in this version of gradwatch"
+    v = _gradwatch(wl, name, tmp)
+    gw_close = v.close
+    engine = _engine_of(v)
+    ext = next((e for e in engine.extensions if type(e).__module__ == "gradwatch.escalation"), None)
+    if ext is None:
+        return "no escalation extension attached"
+    force = getattr(ext, "force", None) or getattr(ext, "escalate", None) or getattr(ext, "start", None)
+    if force is None:
+        return "the escalation extension offers no way to open its window on demand"
+    inner = v.step
+
+    def step() -> None:
+        if not getattr(ext, "active", True):
+            _call_force(force, engine)
+        inner()
+
+    v.step = step
+    v.close = gw_close
+    v.note = "window re-opened whenever it closes"
+    return v
+
+
+def _call_force(force: Callable[..., Any], engine: Any) -> None:
+    step = engine.step_counts[0]
+    try:
+        force(step)
+    except TypeError:
+        force()
+
+
+def _engine_of(v: Variant) -> Any:
+    closure = v.close
+    watcher = getattr(closure, "__self__", None)
+    return watcher.engine
+
+
+def _per_param_loop(wl: Workload, name: str, tmp: str) -> Variant:
+    model, opt = build(wl)
+    params = [p for p in model.parameters()]
+
+    def check() -> None:
+        bad = 0
+        total = 0.0
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if not torch.isfinite(g).all().item():
+                bad += 1
+            total += g.norm().item() ** 2
+
+    return Variant(name, _train_step(model, opt, wl, before_step=check))
+
+
+def _lightning_grad_norm(wl: Workload, name: str, tmp: str) -> Variant | str:
+    try:
+        from lightning.pytorch.utilities import grad_norm
+    except ImportError:
+        try:
+            from pytorch_lightning.utilities import grad_norm  # type: ignore[no-redef]
+        except ImportError:
+            return "Lightning is not installed"
+    model, opt = build(wl)
+    return Variant(name, _train_step(model, opt, wl, before_step=lambda: grad_norm(model, 2)))
+
+
+def _anomaly(wl: Workload, name: str, tmp: str) -> Variant:
+    model, opt = build(wl)
+    return Variant(name, _train_step(model, opt, wl, around_fwd_bwd=lambda: torch.autograd.detect_anomaly(check_nan=True)))
+
+
+def _nan_hooks(wl: Workload, name: str, tmp: str) -> Variant:
+    """isfinite of every module's outputs in forward hooks (fairseq NanDetector style)."""
+    model, opt = build(wl)
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.is_floating_point():
+                if not torch.isfinite(o).all():
+                    raise FloatingPointError(f"non-finite output in {type(module).__name__}")
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+
+    def close() -> None:
+        for h in handles:
+            h.remove()
+
+    return Variant(name, _train_step(model, opt, wl), close=close)
+
+
+def _tb_histograms(wl: Workload, name: str, tmp: str) -> Variant:
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, opt = build(wl)
+    writer = SummaryWriter(log_dir=tempfile.mkdtemp(prefix=f"hist-{wl.name}-", dir=tmp))
+    named = list(model.named_parameters())
+    count = [0]
+
+    def log() -> None:
+        for n, p in named:
+            if p.grad is not None:
+                writer.add_histogram(f"grad/{n}", p.grad, count[0])
+        count[0] += 1
+
+    return Variant(name, _train_step(model, opt, wl, before_step=log), close=writer.close)
+
+
+def fused_floor(grads: list[torch.Tensor]) -> bool:
+    """The least a fused check can do: per-tensor norms in one kernel, one isfinite, one sync."""
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    return bool(torch.isfinite(norms).all())
+
+
+def _floor(wl: Workload, name: str, tmp: str) -> Variant:
+    model, opt = build(wl)
+    params = list(model.parameters())
+
+    def check() -> None:
+        fused_floor([p.grad for p in params if p.grad is not None])
+
+    return Variant(name, _train_step(model, opt, wl, before_step=check))
+
+
+BARE = "bare"
+VARIANTS: list[tuple[str, Callable[..., Variant | str]]] = [
+    (BARE, _bare),
+    ("bare (A/A)", _bare),
+    ("gradwatch default", _gradwatch),
+    ("gradwatch every=10", lambda wl, n, t: _gradwatch(wl, n, t, every=10)),
+    ("gradwatch escalated (reference)", _escalated),
+    ("floor: fused _foreach_norm + isfinite + 1 sync", _floor),
+    ("per-parameter .item() loop", _per_param_loop),
+    ("Lightning grad_norm", _lightning_grad_norm),
+    ("isfinite forward hooks (NanDetector)", _nan_hooks),
+    ("torch.autograd.detect_anomaly", _anomaly),
+    ("TensorBoard histograms every step", _tb_histograms),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Interleaved measurement
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    name: str
+    median_ms: float
+    ratio: float
+    ratio_lo: float
+    ratio_hi: float
+    note: str = ""
+
+
+def summarize(per_round: dict[str, list[float]], bare: str = BARE, notes: dict[str, str] | None = None) -> list[Row]:
+    """Median round time and median per-round ratio to bare (with the 25th-75th percentile of ratios)."""
+    notes = notes or {}
+    base = per_round[bare]
+    rows = []
+    for name, ts in per_round.items():
+        ratios = sorted(t / b for t, b in zip(ts, base))
+        rows.append(
+            Row(
+                name,
+                statistics.median(ts) * 1e3,
+                statistics.median(ratios),
+                _quantile(ratios, 0.25),
+                _quantile(ratios, 0.75),
+                notes.get(name, ""),
+            )
+        )
+    return rows
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    pos = q * (len(sorted_values) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def run_loop_benchmark(wl: Workload, rounds: int, warmup: int, steps: int, tmp: str, rng: random.Random,
+                       only: set[str] | None, log: Callable[[str], None]) -> tuple[list[Row], list[str]]:
+    variants: list[Variant] = []
+    skipped: list[str] = []
+    for name, factory in VARIANTS:
+        if only and name != BARE and not any(o in name for o in only):
+            continue
+        v = factory(wl, name, tmp)
+        if isinstance(v, str):
+            skipped.append(f"{wl.name} / {name}: skipped ({v})")
+            continue
+        variants.append(v)
+    for v in variants:  # warm-up: first steps (allocator, gradwatch's first-step checks) are not timed
+        for _ in range(warmup):
+            v.step()
+    per_round: dict[str, list[float]] = {v.name: [] for v in variants}
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        order = variants[:]
+        rng.shuffle(order)
+        for v in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                v.step()
+            per_round[v.name].append((time.perf_counter() - t0) / steps)
+        if r == 0:
+            eta = (time.perf_counter() - t_start) * rounds
+            log(f"  {wl.name}: {len(variants)} variants x {rounds} rounds x {steps} steps, ~{eta:.0f} s")
+    problems = []
+    for v in variants:
+        v.close()
+        msg = v.check_after()
+        if msg:
+            problems.append(f"{wl.name} / {v.name}: {msg}")
+    notes = {v.name: v.note for v in variants if v.note}
+    return summarize(per_round, notes=notes), skipped + problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Standalone: gradwatch's own per-step work on ready gradients
+# ------------------------------------------------------------------------------------------------
+def run_standalone(wl: Workload, reps: int, tmp: str, rng: random.Random) -> dict[str, float]:
+    from rich.console import Console
+
+    x, y = wl.batch
+    model, opt = build(wl)
+    gw = gradwatch.watch(model, opt, log_dir=tempfile.mkdtemp(prefix=f"own-{wl.name}-", dir=tmp),
+                         console=Console(file=io.StringIO(), width=120, color_system=None))
+    wl.loss_fn(model(x), y).backward()
+    engine = gw.engine
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+
+    adam_model, adam_opt = build(wl)
+    wl.loss_fn(adam_model(x), y).backward()
+
+    def own() -> None:
+        engine.check_step(0)
+        engine.step_done(0)
+
+    def floor() -> None:
+        fused_floor(grads)
+
+    def adamw() -> None:
+        adam_opt.step()
+
+    fns = {"gradwatch check": own, "fused floor": floor, "AdamW.step": adamw}
+    for fn in fns.values():
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    block = 5
+    for _ in range(max(1, reps // block)):
+        order = list(fns.items())
+        rng.shuffle(order)
+        for name, fn in order:
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            times[name].append((time.perf_counter() - t0) / block)
+    findings = list(gw.findings)
+    gw.close()
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out["findings"] = float(len(findings))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Lightning: fit W2 with and without the callback, fits taking turns in threads
+# ------------------------------------------------------------------------------------------------
+def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, rng: random.Random,
+                  log: Callable[[str], None]) -> tuple[list[Row], list[str]]:
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.loggers import TensorBoardLogger
+    except ImportError:
+        return [], ["Lightning: skipped (lightning is not installed)"]
+    notes: list[str] = []
+    callback_cls = None
+    try:
+        from gradwatch.lightning import GradWatchCallback as callback_cls  # type: ignore[no-redef]
+    except ImportError as exc:
+        notes.append(f"W2-Lightning / gradwatch callback: skipped (gradwatch.lightning not importable: {exc})")
+
+    wl = make_workloads(tied=False)["W2"]
+    x, y = wl.batch
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            while True:
+                yield x, y
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.net = deep_mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            xb, yb = batch
+            return nn.functional.mse_loss(self.net(xb), yb)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Turns(pl.Callback):
+        """Times each step (batch start to next batch start) and hands the CPU to the next fit."""
+
+        def __init__(self) -> None:
+            self.go = threading.Event()
+            self.done = threading.Event()
+            self.left = 0
+            self.t_last: float | None = None
+            self.turn_times: list[float] = []
+            self.per_round: list[float] = []
+            self.stop = False
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            now = time.perf_counter()
+            if self.t_last is not None:
+                self.turn_times.append(now - self.t_last)
+            if self.left == 0:
+                if self.turn_times:
+                    self.per_round.append(sum(self.turn_times) / len(self.turn_times))
+                self.turn_times = []
+                self.done.set()
+                self.go.wait()
+                self.go.clear()
+                if self.stop:
+                    trainer.should_stop = True
+                    raise _StopFit()
+                now = time.perf_counter()
+            self.left -= 1
+            self.t_last = now
+
+    class _StopFit(Exception):
+        pass
+
+    @dataclass
+    class Fit:
+        name: str
+        turns: Turns
+        thread: threading.Thread | None = None
+        error: BaseException | None = None
+
+    fits: list[Fit] = []
+    variants = [("without callback", False), ("without callback (A/A)", False)]
+    if callback_cls is not None:
+        variants.append(("gradwatch callback", True))
+    for name, with_cb in variants:
+        turns = Turns()
+        fit = Fit(name, turns)
+
+        def target(fit: Fit = fit, with_cb: bool = with_cb) -> None:
+            torch.set_num_threads(threads)
+            from rich.console import Console
+
+            callbacks: list[Any] = [fit.turns]
+            if with_cb:
+                callbacks.append(callback_cls(console=Console(file=io.StringIO(), width=120, color_system=None)))
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_steps=10**9,
+                max_epochs=-1,
+                logger=TensorBoardLogger(tempfile.mkdtemp(prefix="pl-", dir=tmp), name="", version=""),
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                log_every_n_steps=50,
+                callbacks=callbacks,
+            )
+            try:
+                trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
+            except _StopFit:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                fit.error = exc
+            finally:
+                fit.turns.done.set()
+
+        fit.thread = threading.Thread(target=target, name=f"fit {name}", daemon=True)
+        fits.append(fit)
+
+    def turn(fit: Fit, n: int) -> None:
+        fit.turns.left = n
+        fit.turns.done.clear()
+        fit.turns.go.set()
+        fit.turns.done.wait()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fit in fits:  # start each fit and let it reach its first batch
+            fit.turns.done.clear()
+            fit.thread.start()  # type: ignore[union-attr]
+            fit.turns.done.wait()
+        for fit in fits:
+            turn(fit, warmup)
+            fit.turns.per_round.clear()
+        t_start = time.perf_counter()
+        for r in range(rounds):
+            order = fits[:]
+            rng.shuffle(order)
+            for fit in order:
+                gc.collect()
+                turn(fit, steps)
+            if r == 0:
+                log(f"  W2-Lightning: {len(fits)} fits x {rounds} rounds x {steps} steps, "
+                    f"~{(time.perf_counter() - t_start) * rounds:.0f} s")
+        for fit in fits:
+            turn(fit, 0)  # record the last turn
+            fit.turns.stop = True
+            fit.turns.go.set()
+            fit.thread.join(timeout=60)  # type: ignore[union-attr]
+    for fit in fits:
+        if fit.error is not None:
+            notes.append(f"W2-Lightning / {fit.name}: failed: {type(fit.error).__name__}: {fit.error}")
+    per_round = {f.name: f.turns.per_round[:rounds] for f in fits}
+    if any(len(v) < rounds for v in per_round.values()):
+        notes.append("W2-Lightning: a fit ended early; its rows cover fewer rounds")
+        n = min(len(v) for v in per_round.values())
+        per_round = {k: v[:n] for k, v in per_round.items()}
+    return summarize(per_round, bare="without callback"), notes
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def machine_facts(threads: int) -> list[str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    try:
+        import lightning
+
+        pl_version = lightning.__version__
+    except ImportError:
+        pl_version = "not installed"
+    return [
+        f"- machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, lightning {pl_version}, "
+        f"gradwatch {getattr(gradwatch, '__version__', '?')}",
+        f"- torch threads: {threads} (`torch.set_num_threads({threads})`)",
+        f"- load average at start (1, 5, 15 min): {load}",
+    ]
+
+
+def table(title: str, rows: list[Row], targets: dict[str, float]) -> list[str]:
+    lines = [
+        f"#### {title}",
+        "",
+        "| variant | median step (ms) | median ratio to bare | ratio IQR | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        tgt = targets.get(r.name)
+        verdict = "" if tgt is None else f"<= {tgt:.2f} {'ok' if r.ratio <= tgt else 'MISSED'}"
+        name = r.name + (f" ({r.note})" if r.note else "")
+        lines.append(f"| {name} | {r.median_ms:.2f} | {r.ratio:.3f} | {r.ratio_lo:.2f}-{r.ratio_hi:.2f} | {verdict} |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few rounds (< 2 minutes); numbers are rough")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 40; --quick 8)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per variant first (default 5; --quick 3)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of the standalone measurement")
+    ap.add_argument("--workloads", default="W1,W2,lightning,standalone",
+                    help="comma list of W1, W2, lightning, standalone (default: all)")
+    ap.add_argument("--only", default="", help="comma list of substrings: time only matching variants (plus bare)")
+    ap.add_argument("--tied", action="store_true", help="W1 with a head tied to the embedding")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
+    ap.add_argument("--out", default=None, help="also write the markdown report to this file")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (8 if args.quick else 40)
+    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    reps = args.reps or (100 if args.quick else 500)
+    which = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    only = {o.strip() for o in args.only.split(",") if o.strip()} or None
+    rng = random.Random(args.seed)
+    command = "python benchmarks/overhead.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    out = ["### gradwatch overhead", "", f"Command: `{command.strip()}`", ""] + machine_facts(args.threads) + [""]
+    out.append(
+        f"Whole training steps (forward, backward, AdamW step, zero_grad), every variant its own model copy, "
+        f"{rounds} rounds in shuffled order after {warmup} warm-up steps; ratio = per-round step time / "
+        "that round's bare step time, median over rounds (IQR: 25th-75th percentile of the ratios)."
+    )
+    out.append("")
+    notes: list[str] = []
+    results: dict[str, list[Row]] = {}
+    workloads = make_workloads(args.tied)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gradwatch-bench-") as tmp:
+        for key in ("W1", "W2"):
+            if key not in which:
+                continue
+            wl = workloads[key]
+            log(f"{key}: {wl.description}")
+            steps = wl.steps_per_round
+            rows, more = run_loop_benchmark(wl, rounds, warmup, steps, tmp, rng, only, log)
+            results[key] = rows
+            notes += more
+            out += table(f"{key}: {wl.description} ({steps} steps per round)",
+                         rows, {n: t for (w, n), t in TARGETS.items() if w == key})
+        if "lightning" in which:
+            log("W2-Lightning: Trainer.fit")
+            lrounds = max(6, rounds // 2) if args.quick else rounds
+            rows, more = run_lightning(lrounds, 10, 10, args.threads, tmp, rng, log)
+            notes += more
+            if rows:
+                results["W2-Lightning"] = rows
+                out += table(f"W2 under Lightning Trainer.fit ({lrounds} rounds, 10 steps per turn; bare = fit without callback)",
+                             rows, {n: t for (w, n), t in TARGETS.items() if w == "W2-Lightning"})
+        if "standalone" in which:
+            out += [
+                "#### gradwatch's own per-step work on ready gradients (standalone)",
+                "",
+                "| workload | gradwatch check (ms) | fused floor (ms) | AdamW.step (ms) | check / floor | check / AdamW.step |",
+                "|---|---:|---:|---:|---:|---:|",
+            ]
+            for key in ("W1", "W2"):
+                log(f"standalone: {key}")
+                s = run_standalone(workloads[key], reps, tmp, rng)
+                own, floor_ms, adam = s["gradwatch check"], s["fused floor"], s["AdamW.step"]
+                r1, r2 = own / floor_ms, own / adam
+                v1 = "ok" if r1 <= OWN_VS_FLOOR else "MISSED"
+                v2 = "ok" if r2 <= OWN_VS_ADAMW else "MISSED"
+                out.append(f"| {key} | {own:.2f} | {floor_ms:.2f} | {adam:.2f} | {r1:.2f} (<= {OWN_VS_FLOOR}: {v1}) "
+                           f"| {r2:.3f} (<= {OWN_VS_ADAMW}: {v2}) |")
+                if s["findings"]:
+                    notes.append(f"standalone {key}: gradwatch reported {int(s['findings'])} finding(s) on healthy gradients")
+            out.append("")
+    elapsed = time.perf_counter() - started
+    try:
+        load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    out.append(f"- load average at end (1, 5, 15 min): {load}; wall time {elapsed / 60:.1f} min")
+    for n in notes:
+        out.append(f"- note: {n}")
+    text = "\n".join(out) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        log(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
