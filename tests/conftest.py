@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from torch import nn
 
 LIGHTNING_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+# Property-based tests: "ci" (default) is small and deterministic; HYPOTHESIS_PROFILE=long explores more.
+_NO_DEADLINE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=15, derandomize=True, database=None, print_blob=True, **_NO_DEADLINE)
+settings.register_profile("long", max_examples=400, **_NO_DEADLINE)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

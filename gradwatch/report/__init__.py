@@ -7,6 +7,7 @@ reporter (a full disk, a closed stdout, a broken writer) is reported once as a
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -49,6 +50,33 @@ def internal_warning(where: str, exc: BaseException, *, owner: Any = None, key: 
     warnings.warn(
         f"gradwatch: internal error in {where}: {type(exc).__name__}: {exc}. Training continues; this part "
         "of gradwatch is skipped when it fails (reported once).",
+        GradWatchInternalWarning,
+        stacklevel=3,
+    )
+
+
+_recreated: set[tuple[str, int]] = set()
+
+
+def dir_identity(path: str) -> int:
+    """The inode of a log directory, to tell "removed and recreated" apart from "still there"."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1
+
+
+def recreate_log_dir(log_dir: str, identity: int) -> None:
+    """Recreate a log_dir removed during the run; one warning for every reporter that writes there."""
+    os.makedirs(log_dir, exist_ok=True)
+    key = (os.path.abspath(log_dir), identity)
+    with _warned_lock:
+        if key in _recreated:
+            return
+        _recreated.add(key)
+    warnings.warn(
+        f"gradwatch: log_dir {log_dir!r} was removed during the run; recreated it. TensorBoard events and "
+        "gradwatch.jsonl lines written before are lost; findings are still in memory (watcher.findings).",
         GradWatchInternalWarning,
         stacklevel=3,
     )

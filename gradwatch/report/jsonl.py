@@ -10,6 +10,7 @@ import os
 from typing import Any, Iterator
 
 from gradwatch.findings import Finding
+from gradwatch.report import dir_identity, recreate_log_dir
 
 FILENAME = "gradwatch.jsonl"
 
@@ -19,6 +20,8 @@ class JsonlReporter:
 
     def __init__(self, log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self._dir_identity = dir_identity(log_dir)
         self.path = os.path.join(log_dir, FILENAME)
         self._file: Any = self._open()
 
@@ -44,7 +47,8 @@ class JsonlReporter:
         if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
             self._drop_file()  # log_dir removed during the run: write to a new file, not a deleted one
         if self._file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            if not os.path.isdir(self.log_dir):
+                recreate_log_dir(self.log_dir, self._dir_identity)
             self._file = self._open()
         try:
             self._file.write(line)

@@ -11,11 +11,10 @@ import math
 import os
 import queue
 import threading
-import warnings
 from typing import Any, Callable
 
 from gradwatch.findings import Finding
-from gradwatch.report import internal_warning
+from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
 
 _STOP = object()
 
@@ -37,6 +36,7 @@ class TensorBoardReporter:
             writer = SummaryWriter(log_dir=log_dir)
         self.writer = writer
         self.log_dir: str = str(getattr(writer, "log_dir", None) or writer.get_logdir())
+        self._dir_identity = dir_identity(self.log_dir)
         self.flush_every = flush_every
         self._events = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -111,20 +111,8 @@ class TensorBoardReporter:
     def _ensure_log_dir(self) -> None:
         # TensorBoard appends to its event file by path: a log_dir removed during the run would kill its
         # writer thread (with a traceback on stderr). One stat per event, on this thread, avoids that.
-        if os.path.isdir(self.log_dir):
-            return
-        os.makedirs(self.log_dir, exist_ok=True)
-        if not getattr(self, "_recreated", False):
-            self._recreated = True
-            from gradwatch.report import GradWatchInternalWarning
-
-            warnings.warn(
-                f"gradwatch: log_dir {self.log_dir!r} was removed during the run; recreated it. TensorBoard "
-                "events and gradwatch.jsonl lines written before are lost; findings are still in memory "
-                "(watcher.findings).",
-                GradWatchInternalWarning,
-                stacklevel=2,
-            )
+        if not os.path.isdir(self.log_dir):
+            recreate_log_dir(self.log_dir, self._dir_identity)
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
