@@ -151,7 +151,9 @@ class ForwardTracer:
     def attach(self, engine: Any) -> None:
         self.engine = engine
         model = engine.model
-        if model is None:
+        if model is None or _is_compiled(model):
+            # Hooks on a compiled model run inside Dynamo's trace (a TorchFunctionMode there costs graph
+            # breaks and recompiles): autograd errors then get the untraced, approximate module names.
             return
         targets = [model]
         children = list(model.children())
@@ -172,13 +174,13 @@ class ForwardTracer:
 
     # -- per step (cheap) -------------------------------------------------------------------------
     def _on_pre(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         try:
             grad = torch.is_grad_enabled()
             self.last_forward_grad_enabled = grad
             self.last_forward_inference = torch.is_inference_mode_enabled()
             if self._mode is not None or not grad or not self.wanted:
-                return
-            if torch.compiler.is_compiling():
                 return
             self._begin(module)
         except Exception as exc:  # noqa: BLE001
@@ -336,13 +338,29 @@ class ForwardTracer:
         self._by_tensor = {}
 
 
+_GET_SEQUENCE_NR = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+
+
 def next_sequence_nr() -> int | None:
     """The sequence number the next autograd node of this thread gets (nodes are numbered in creation order)."""
-    fn = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
     try:
-        return int(fn()) if fn is not None else None
+        return int(_GET_SEQUENCE_NR()) if _GET_SEQUENCE_NR is not None else None
     except Exception:  # noqa: BLE001
         return None
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """``torch.compile(model)`` (an ``OptimizedModule``), ``model.compile()``, or a compiled ``forward``
+    (what Lightning makes of ``trainer.fit(torch.compile(module))``)."""
+    if getattr(model, "_compiled_call_impl", None) is not None or getattr(model, "_compiler_ctx", None):
+        return True
+    if hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable"):
+        return True
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - no Dynamo in this build
+        return False
+    return isinstance(model, OptimizedModule) or any(isinstance(m, OptimizedModule) for m in model.children())
 
 
 def node_op(node: Any) -> str:

@@ -17,13 +17,17 @@ reference: a freed gradient's ``id()`` is reused at once):
 - None, another tensor, or a version bump beyond the counted accumulations: cleared since the previous
   step ("fresh").
 - The same tensor, only accumulations in between: either ``zero_grad`` was forgotten or the gradient was
-  zeroed through ``.data`` (no version bump). The tensor hook then queued a lazy device scalar "the old
-  gradient is all zeros" (no sync); it is read with the step's one sync. Zeros seen: fresh. Otherwise the
-  step's gradient holds the previous step's: ``stats.extra["zero_grad_missing"] = True``.
+  zeroed through ``.data`` (no version bump). Only in this case the tensor hook queues a lazy device
+  scalar "the old gradient holds a non-zero" (one tiny kernel on the representative, no sync); it is read
+  with the step's one sync. All zeros: fresh. Otherwise the step's gradient holds the previous step's:
+  ``stats.extra["zero_grad_missing"] = True``.
 
 ``grads_cleared_before_step``: backward passes reached the representative since the previous check, but
 at step time the optimizer has no gradient at all, or every gradient is zero after an in-place change
-that came after the last backward (``zero_grad`` called between ``backward()`` and ``step()``).
+that came after the last backward (``zero_grad(set_to_none=False)`` called between ``backward()`` and
+``step()``). Telling the latter from an all-zero gradient that was merely clipped needs the gradient's
+value right after backward: once a step looks like that, the post-accumulate hook queues one lazy scalar
+per backward until a step no longer does, so such a finding comes one step later.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
 backward passes counted, state), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
@@ -64,11 +68,12 @@ class _Tracker:
         # Since the baseline.
         self.accumulations = 0
         self.cleared = False  # set to None, replaced, or zeroed with a version bump
-        self.old_zero: torch.Tensor | None = None  # lazy: some old gradient about to be added to was all zeros
+        self.old_nonzero: list[torch.Tensor] = []  # lazy, per backward: the old gradient held a non-zero
         # After the most recent accumulation.
         self.post_ref: weakref.ref[torch.Tensor] | None = None
         self.post_version = 0
         self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
+        self.watch_after_backward = False  # queue post_nonzero (armed by a suspicious step)
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
@@ -76,7 +81,7 @@ class _Tracker:
         self.base_version = g._version if g is not None else 0
         self.accumulations = 0
         self.cleared = False
-        self.old_zero = None
+        self.old_nonzero = []
         self.post_nonzero = None
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
@@ -92,8 +97,10 @@ class _Tracker:
             else:
                 # Same tensor, only accumulations since the previous check: zero_grad forgotten, or the
                 # gradient was zeroed through .data (no version bump). Its value tells them apart.
-                zero = g.eq(0).all() if not g.is_sparse else g.coalesce().values().eq(0).all()
-                self.old_zero = zero if self.old_zero is None else self.old_zero.logical_or(zero)
+                held = g.any() if not g.is_sparse else g.coalesce().values().any()
+                self.old_nonzero.append(held)
+                if len(self.old_nonzero) > 16:  # many backward passes per step: keep the memory flat
+                    self.old_nonzero = [torch.stack(self.old_nonzero).all()]
         except Exception as exc:  # noqa: BLE001 - never break the user's backward
             internal_warning("zero_grad tensor hook", exc)
 
@@ -103,13 +110,10 @@ class _Tracker:
             if g is None:
                 return
             self.accumulations += 1
-            same = self.post_ref is not None and self.post_ref() is g
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
-            # A persisting gradient tensor can be zeroed in place between backward() and step(); remember
-            # whether it held anything, to tell that apart from a gradient that is zero by itself.
-            if same and not g.is_sparse:
-                self.post_nonzero = g.ne(0).any()
+            if self.watch_after_backward and not g.is_sparse:
+                self.post_nonzero = g.any()
             else:
                 self.post_nonzero = None
         except Exception as exc:  # noqa: BLE001
@@ -169,22 +173,19 @@ class ZeroGradTracker:
             "backward_passes": t.accumulations,
             "state": self._state(t, g),
         }
-        if facts["state"] == PENDING and t.old_zero is not None:
-            ctx.slots[_SLOT_ZERO] = ctx.batch.add(t.old_zero)
+        if facts["state"] == PENDING and t.old_nonzero:
+            held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
+            ctx.slots[_SLOT_ZERO] = ctx.batch.add(held)
         cleared = False
         if t.accumulations > 0:
             if not ctx.grads:
                 cleared = True
-            elif (
-                g is not None
-                and t.post_ref is not None
-                and t.post_ref() is g
-                and g._version > t.post_version
-                and t.post_nonzero is not None
-            ):
+            elif g is not None and t.post_ref is not None and t.post_ref() is g and g._version > t.post_version:
                 # Modified in place after the last backward: zeroed, or clipped/unscaled? The step's norms
                 # (all zero?) and whether the gradient held anything right after backward decide.
-                ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
+                facts["changed_after_backward"] = True
+                if t.post_nonzero is not None:
+                    ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
         stats.extra["grads_cleared_before_step"] = cleared
@@ -207,7 +208,7 @@ class ZeroGradTracker:
             return UNKNOWN
         if t.accumulations == 0:
             return UNKNOWN  # no backward reached it since the previous step
-        return PENDING if t.old_zero is not None else UNKNOWN
+        return PENDING if t.old_nonzero else UNKNOWN
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
@@ -217,19 +218,24 @@ class ZeroGradTracker:
         values = None
         if _SLOT_ZERO in ctx.slots:
             values = ctx.batch.resolve()
-            old_zero = bool(values[ctx.slots[_SLOT_ZERO]][0])
+            # Any backward that found the old gradient all zero: it was cleared (through .data).
+            old_zero = not all(values[ctx.slots[_SLOT_ZERO]])
             facts["state"] = FRESH if old_zero else ACCUMULATED
             stats.extra["zero_grad_missing"] = not old_zero
+        i = facts.get("optimizer")
+        tracker = self.trackers[i] if isinstance(i, int) and i < len(self.trackers) else None
+        suspicious = bool(facts.get("changed_after_backward")) and bool(stats.names) and stats.total_norm == 0.0
         if _SLOT_NONZERO in ctx.slots:
             values = values if values is not None else ctx.batch.resolve()
-            held = bool(values[ctx.slots[_SLOT_NONZERO]][0])
-            if held and stats.names and stats.total_norm == 0.0:
+            if suspicious and bool(values[ctx.slots[_SLOT_NONZERO]][0]):
                 stats.extra["grads_cleared_before_step"] = True
+        if tracker is not None:
+            tracker.watch_after_backward = suspicious
 
     def close(self) -> None:
         for t in self.trackers:
             t.unhook()
             t.base_ref = None
             t.post_ref = None
-            t.old_zero = None
+            t.old_nonzero = []
             t.post_nonzero = None

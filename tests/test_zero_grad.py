@@ -207,6 +207,19 @@ def test_gradient_clipping_between_backward_and_step_is_silent() -> None:
     assert kinds(gw) == []
 
 
+def test_all_zero_gradients_that_are_clipped_are_not_taken_for_cleared_ones() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(4):
+            opt.zero_grad(set_to_none=False)
+            (model(x) * 0).sum().backward()  # every gradient exactly zero
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # changes them in place after backward
+            opt.step()
+    assert zero_kinds(gw) == []
+
+
 def test_intentional_accumulation_over_several_backward_calls_is_silent() -> None:
     torch.manual_seed(0)
     model = Net()
@@ -335,5 +348,6 @@ def test_fresh_gradients_add_no_device_value_to_the_step(set_to_none: bool) -> N
             opt.zero_grad(set_to_none=set_to_none)
             model(x).pow(2).mean().backward()
             opt.step()
-            assert tracker.trackers[0].old_zero is None
+            assert tracker.trackers[0].old_nonzero == []
+            assert tracker.trackers[0].post_nonzero is None
     assert kinds(gw) == []
