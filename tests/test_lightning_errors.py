@@ -194,3 +194,13 @@ def test_two_optimizers_zeroed_each_step_are_silent_in_either_namespace(pl_ns: A
     cb = GradWatchCallback(console=False)
     tiny_trainer(pl_ns, [cb], max_steps=6).fit(manual_module(pl_ns))
     assert [f.kind for f in cb.findings if f.kind in ZERO_KINDS] == []
+
+
+def test_lbfgs_in_automatic_optimization_is_silent() -> None:
+    class WithLbfgs(Automatic):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+    cb = fit(WithLbfgs(), max_steps=3)
+    assert [f.kind for f in cb.findings if f.kind in ZERO_KINDS] == []
+    assert cb.engine is not None and cb.engine.steps_checked == 3
