@@ -31,6 +31,9 @@ from gradwatch.report import internal_warning
 
 #: Direct children hooked at most (beyond this only the root is hooked).
 MAX_CHILDREN = 32
+#: Forwards traced at most before the first optimizer step (a loop that runs many forwards before it
+#: steps pays the tracing cost only for these).
+MAX_FIRST_FORWARDS = 16
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -139,7 +142,7 @@ class ForwardTracer:
         self.last_forward_grad_enabled: bool | None = None
         self.last_forward_inference: bool = False
         self.step_seq: int | None = None
-        self._first = True
+        self._first_forwards = 0  # traced forwards of the first step; MAX_FIRST_FORWARDS once it is over
         self._handles: list[Any] = []
         self._trace_handles: list[Any] = []
         self._mode: _RecordingMode | None = None
@@ -170,7 +173,7 @@ class ForwardTracer:
     @property
     def wanted(self) -> bool:
         """Whether the next forward is traced: first step, or escalated."""
-        return self._first or bool(getattr(self.engine, "escalated", False))
+        return self._first_forwards < MAX_FIRST_FORWARDS or bool(getattr(self.engine, "escalated", False))
 
     # -- per step (cheap) -------------------------------------------------------------------------
     def _on_pre(self, module: nn.Module, args: Any) -> None:
@@ -196,6 +199,7 @@ class ForwardTracer:
             self._clear()
             self.traced_step = True
         self._names = dict(self.engine.index.module_name)
+        self._first_forwards += 1
         self._starter = module
         self._stack = [self._names.get(id(module))]
         reg = torch.nn.modules.module
@@ -312,7 +316,7 @@ class ForwardTracer:
     # -- engine protocol --------------------------------------------------------------------------
     def before_sync(self, ctx: Any) -> None:
         # The first watched step reached its update: from now on only escalation traces.
-        self._first = False
+        self._first_forwards = MAX_FIRST_FORWARDS
         # Autograd nodes numbered below this were created before this update (an earlier step's graph).
         self.step_seq = next_sequence_nr()
         if self._mode is None and self.traced_step:
