@@ -28,7 +28,8 @@ Finding kinds:
   which argument, NaN and Inf counts).
 - ``nan_origin``: where the first non-finite value of the step was born. ``data``: ``phase``
   (``"forward"``, ``"backward"``, ``"loss"`` — born in the loss computation outside the model — or
-  ``"weights"`` — the parameters were already non-finite), ``op``, ``forward_op``, ``module``,
+  ``"weights"`` — the parameters were already non-finite — or ``"buffers"`` — e.g. BatchNorm running
+  statistics written non-finite by an earlier forward), ``op``, ``forward_op``, ``module``,
   ``source`` (``file:line in function``), ``code``, ``incoming`` / ``outgoing`` magnitudes,
   ``first_nonfinite_module`` and ``first_nonfinite_module_inputs``, ``table`` (per layer: gradient
   norm, NaN count, Inf count), ``surrogate_grad`` (the replay used a gradient of ones because the real
@@ -293,24 +294,34 @@ class Escalation:
             return out  # a second optimizer of the same step: the first one's findings name the origin
         self._handled = (stats.step, self._mark)
         layers = layer_table(stats)
-        poisoned = self._poisoned_params()
-        if poisoned:
-            if not self._poison_reported:
-                self._poison_reported = True
-                out.append(_poisoned_finding(stats.step, poisoned, config.on_nonfinite, layers))
-            return out
-        self._poison_reported = False
-        bad_inputs = self._nonfinite_inputs()
         origin_finding: Finding | None = None
         result: _Result | None = None
+        bad_inputs = self._nonfinite_inputs()
         if bad_inputs:
             out.append(_input_finding(stats.step, bad_inputs))
         else:
+            poisoned = self._poisoned(buffers=False)
+            if poisoned:
+                if not self._poison_reported:
+                    self._poison_reported = True
+                    out.append(_poisoned_finding(stats.step, poisoned, config.on_nonfinite, layers, buffers=False))
+                return out
+            self._poison_reported = False
             result = self._localize()
-            if result is not None:
+            if result is not None and (result.loc.origin is not None or result.upstream_bad):
                 self.localizations.append((stats.step, result.loc))
                 origin_finding = _origin_finding(stats.step, result, layers)
                 out.append(origin_finding)
+            else:
+                # Buffers are checked only now: this step's own forward may have written the NaN into them
+                # (BatchNorm running statistics) after it was born somewhere the replay found.
+                stale = self._poisoned(buffers=True)
+                if stale:
+                    out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
+                elif result is not None:
+                    self.localizations.append((stats.step, result.loc))
+                    origin_finding = _origin_finding(stats.step, result, layers)
+                    out.append(origin_finding)
         note = None
         if result is None and not bad_inputs:
             note = (
@@ -343,10 +354,12 @@ class Escalation:
         rows = torch.stack(counts).tolist()
         return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(named, rows) if c[0] or c[1]]
 
-    def _poisoned_params(self) -> list[str]:
-        named = list(self.engine.index.model_params)
-        if self.model is not None:
-            named += list(self.model.named_buffers())  # e.g. BatchNorm running statistics gone NaN
+    def _poisoned(self, *, buffers: bool) -> list[str]:
+        """Names of parameters (or buffers) that hold NaN/Inf themselves (one sync, incident path only)."""
+        if buffers:
+            named = list(self.model.named_buffers()) if self.model is not None else []
+        else:
+            named = list(self.engine.index.model_params)
         params = [(n, p) for n, p in named if p.is_floating_point() and not p.is_meta and p.numel() > 0]
         if not params:
             return []
@@ -780,21 +793,39 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
     )
 
 
-def _poisoned_finding(step: int, names: list[str], policy: str, layers: list[dict[str, Any]]) -> Finding:
+def _poisoned_finding(
+    step: int, names: list[str], policy: str, layers: list[dict[str, Any]], *, buffers: bool
+) -> Finding:
+    if buffers:
+        what = f"Buffers of the model hold NaN/Inf at step {step}: {names_text(names)}"
+        why = (
+            "A forward pass on non-finite activations wrote them (BatchNorm running statistics are updated "
+            "even on a skipped step), and every forward that reads them (eval mode) is non-finite."
+        )
+        fix = (
+            "Fix: find the first nan_origin or nonfinite_input finding of the run; reset the buffers "
+            "(e.g. module.reset_running_stats()) or reload a checkpoint."
+        )
+    else:
+        what = f"The weights themselves hold NaN/Inf at step {step}: {names_text(names)}"
+        if policy == "warn":
+            why = "An earlier non-finite update was applied (on_nonfinite='warn'), so every later step is non-finite too."
+        else:
+            why = (
+                "They became non-finite before this step (loaded from a checkpoint, written outside the "
+                "optimizer, or updated on a step gradwatch did not check), so every step is non-finite."
+            )
+        fix = (
+            "Fix: see the first nan_origin finding of the run for the op and module where it began; use "
+            "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
+        )
     return Finding(
         kind="nan_origin",
         step=step,
         severity="error",
-        message=(
-            f"The weights or buffers themselves hold NaN/Inf at step {step}: {names_text(names)}. An earlier "
-            "non-finite update was applied"
-            + (" (on_nonfinite='warn')" if policy == "warn" else "")
-            + ", so every later step is non-finite too and cannot be localized any more.\nFix: see the "
-            "first nan_origin finding of the run for the op and module where it began; use "
-            "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
-        ),
+        message=f"{what}. {why} The origin cannot be localized from this step.\n{fix}",
         params=tuple(names),
-        data={"phase": "weights", "params": names, "table": layers},
+        data={"phase": "buffers" if buffers else "weights", "params": names, "table": layers},
     )
 
 

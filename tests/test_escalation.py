@@ -363,3 +363,19 @@ def test_poisoned_weights_after_warn_update_reported_once() -> None:
     later = [f for f in origins(gw) if f.step > BAD_STEP]
     assert [(f.step, f.data["phase"]) for f in later] == [(BAD_STEP + 1, "weights")]
     assert "encoder.logscale.proj.weight" in later[0].params
+
+
+def test_nan_batch_through_batchnorm_is_blamed_on_the_input() -> None:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for step in range(3):
+            x = batch(step, "sqrt", bad_step=())
+            if step == 1:
+                x[0, 0] = float("nan")  # also poisons the BatchNorm running statistics in this forward
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    mine = [(f.kind, f.step) for f in gw.findings if f.kind in ("nonfinite_input", "nan_origin")]
+    assert mine[0] == ("nonfinite_input", 1)
