@@ -422,7 +422,7 @@ class Escalation:
     def _replay_call(self, call: _Call) -> _Result:
         model = self._replay_model()
         upstream_bad, available = self._upstream_state(call)
-        loc = Localizer(model)
+        loc = Localizer(model, aten=True)
         anomaly_error: str | None = None
         traceback: str | None = None
         surrogate = False
@@ -470,7 +470,7 @@ class Escalation:
 
     def _replay_lightning(self, src: _Batch) -> _Result:
         pl_module = src.pl_module
-        loc = Localizer(pl_module, root_label=ROOT)
+        loc = Localizer(pl_module, root_label=ROOT, aten=True)
         anomaly_error: str | None = None
         traceback: str | None = None
         with _preserved(pl_module), self._replay_guard(), warnings.catch_warnings(record=True) as caught:
@@ -960,7 +960,9 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     inc = origin.incoming
     if origin.phase == "forward":
         inputs = "It had no tensor inputs"
-        if "min_abs" in inc:
+        if inc.get("inf"):
+            inputs = f"Its inputs held Inf but no NaN ({_range(inc)})"
+        elif "min_abs" in inc:
             inputs = f"Its inputs were finite ({_range(inc)})"
         what = (
             f"Born in the forward pass of step {step}: op {origin.op} ({origin.forward_op}) in module "

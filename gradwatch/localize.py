@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -26,6 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ROOT = "<root>"
@@ -180,17 +182,54 @@ class _OpRecorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__") or not self.loc.recording:
+        loc = self.loc
+        if name in ("__get__", "__set__") or not loc.recording:
             return func(*args, **kwargs)
+        loc.recording = False  # our own checks are not the model's ops
         try:
             before = summarize(_float_tensors((args, kwargs)))
         except Exception:  # noqa: BLE001 - never break the forward pass
             before = None
+        loc.recording = True
+        start = len(loc._aten)
         out = func(*args, **kwargs)
+        loc.recording = False
         try:
-            self.loc._record_op(func, args, kwargs, before, out)
+            loc._record_op(func, args, kwargs, before, out, (start, len(loc._aten)))
         except Exception:  # noqa: BLE001
             pass
+        finally:
+            loc.recording = True
+        return out
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """The aten ops inside composite torch functions (e.g. the softmax inside multi-head attention)."""
+
+    def __init__(self, loc: Localizer) -> None:
+        super().__init__()
+        self.loc = loc
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        loc = self.loc
+        if not loc.recording:
+            return func(*args, **kwargs)
+        loc.recording = False
+        try:
+            before = summarize(_float_tensors((args, kwargs)))
+        except Exception:  # noqa: BLE001
+            before = None
+        loc.recording = True
+        out = func(*args, **kwargs)
+        loc.recording = False
+        try:
+            name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+            loc._aten.append((name, _has_nonfinite_scalar(args, kwargs), before, summarize(_float_tensors(out))))
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            loc.recording = True
         return out
 
 
@@ -226,11 +265,13 @@ class Localizer:
         >>> loc.close()
     """
 
-    def __init__(self, root: nn.Module | None, *, root_label: str = ROOT) -> None:
+    def __init__(self, root: nn.Module | None, *, root_label: str = ROOT, aten: bool = False) -> None:
         self.root = root
         self.root_label = root_label
+        self.aten = aten
         self.recording = False
         self._mode: _OpRecorder | None = None
+        self._aten_mode: _AtenRecorder | None = None
         self._module_hooks: list[Any] = []
         self._node_handles: list[Any] = []
         self._stack: list[str] = []
@@ -246,7 +287,8 @@ class Localizer:
             except Exception:  # noqa: BLE001
                 pass
         self._node_handles = []
-        self._ops: list[tuple[Site, Any, bool, torch.Tensor | None, torch.Tensor | None]] = []
+        self._ops: list[tuple[Site, Any, bool, torch.Tensor | None, torch.Tensor | None, tuple[int, int]]] = []
+        self._aten: list[tuple[str, bool, torch.Tensor | None, torch.Tensor | None]] = []
         self._node_site: dict[Any, Site] = {}
         self._modules: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
         self._nodes: list[Any] = []
@@ -277,13 +319,19 @@ class Localizer:
         if self._mode is None:
             self._mode = _OpRecorder(self)
             self._mode.__enter__()
+            if self.aten:
+                self._aten_mode = _AtenRecorder(self)
+                self._aten_mode.__enter__()
         self.recording = True
 
     def stop_forward(self) -> None:
         """End recording the forward pass (pops the op recorder)."""
         self.recording = False
-        mode, self._mode = self._mode, None
-        if mode is not None:
+        modes = (self._aten_mode, self._mode)
+        self._mode = self._aten_mode = None
+        for mode in modes:
+            if mode is None:
+                continue
             try:
                 mode.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - the stack was changed under us; nothing more to undo
@@ -327,7 +375,9 @@ class Localizer:
             f = f.f_back
         return Site(_func_name(func), module)
 
-    def _record_op(self, func: Any, args: Any, kwargs: Any, before: torch.Tensor | None, out: Any) -> None:
+    def _record_op(
+        self, func: Any, args: Any, kwargs: Any, before: torch.Tensor | None, out: Any, aten: tuple[int, int]
+    ) -> None:
         outs = _float_tensors(out)
         if not outs:
             return
@@ -337,7 +387,7 @@ class Localizer:
             for t in outs:
                 if t.grad_fn is not None and t.grad_fn not in self._node_site:
                     self._node_site[t.grad_fn] = site
-        self._ops.append((site, node, _has_nonfinite_scalar(args, kwargs), before, summarize(outs)))
+        self._ops.append((site, node, _has_nonfinite_scalar(args, kwargs), before, summarize(outs), aten))
 
     # -- backward ----------------------------------------------------------------------------------
     def hook_graph(self, outputs: Iterable[torch.Tensor]) -> int:
@@ -378,7 +428,9 @@ class Localizer:
     def resolve(self) -> Localization:
         """Read every queued check back (one transfer per device) and name the origin."""
         vectors: list[torch.Tensor | None] = []
-        for _site, _node, _intent, before, after in self._ops:
+        for _site, _node, _intent, before, after, _range in self._ops:
+            vectors += [before, after]
+        for _name, _intent, before, after in self._aten:
             vectors += [before, after]
         for _label, ins, outs in self._modules:
             vectors += [ins, outs]
@@ -386,13 +438,33 @@ class Localizer:
             vectors += [incoming, produced]
         values = _read(vectors)
         it = iter(values)
-        ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a in self._ops]
+        ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a, _r in self._ops]
+        aten = [(name, intent, next(it), next(it)) for name, intent, _b, _a in self._aten]
         mods = [(label, next(it), next(it)) for label, _i, _o in self._modules]
         fired = [(i, next(it), next(it)) for i, _a, _b in self._fired]
 
         loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
         loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
-        origin = _forward_origin(ops)
+        found = _first_birth([(intent, before, after) for _s, _n, intent, before, after in ops])
+        origin = None
+        if found is not None:
+            site, node, _intent, before, after = ops[found]
+            origin = Origin(
+                phase="forward",
+                op=node.name() if node is not None else site.func,
+                forward_op=site.func,
+                module=site.module,
+                source=site.source,
+                code=site.code,
+                incoming=_magnitudes(before),
+                outgoing=_out(after),
+                traceback=_traceback(node) if node is not None else None,
+            )
+            start, end = self._ops[found][5]
+            if end - start > 1:  # a composite function: name the aten op inside it
+                inner = _first_birth([(i, b, a) for _n, i, b, a in aten[start:end]])
+                if inner is not None:
+                    _refine(origin, node, aten[start + inner])
         if origin is None:
             forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
             origin = self._backward_origin(fired, forward_inputs)
@@ -443,7 +515,10 @@ def _bad(v: list[float]) -> bool:
 def _magnitudes(v: list[float] | None) -> dict[str, float]:
     if v is None:
         return {}
-    return {"min_abs": v[2], "max_abs": v[3], "min": v[4], "max": v[5]}
+    out = {"min_abs": v[2], "max_abs": v[3], "min": v[4], "max": v[5]}
+    if v[1]:
+        out["inf"] = True  # only for a NaN made from Inf (e.g. softmax over a fully masked row)
+    return out
 
 
 def _out(v: list[float]) -> dict[str, Any]:
@@ -476,30 +551,46 @@ def _traceback(node: Any) -> str | None:
     return str(tb)
 
 
-def _forward_origin(ops: list[tuple[Site, Any, bool, list[float] | None, list[float] | None]]) -> Origin | None:
-    def make(site: Site, node: Any, before: list[float] | None, after: list[float]) -> Origin:
-        return Origin(
-            phase="forward",
-            op=node.name() if node is not None else site.func,
-            forward_op=site.func,
-            module=site.module,
-            source=site.source,
-            code=site.code,
-            incoming=_magnitudes(before),
-            outgoing=_out(after),
-            traceback=_traceback(node) if node is not None else None,
-        )
-
+def _first_birth(ops: list[tuple[bool, list[float] | None, list[float] | None]]) -> int | None:
+    """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries."""
     # A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended.
-    for site, node, intended, before, after in ops:
+    for i, (intended, before, after) in enumerate(ops):
         if after is None or not _bad(after) or intended:
             continue
         if before is None or not _bad(before):
-            return make(site, node, before, after)
+            return i
     # Otherwise a NaN made from Inf (e.g. softmax over a fully masked row).
-    for site, node, _intended, before, after in ops:
+    for i, (_intended, before, after) in enumerate(ops):
         if after is None or not after[0]:
             continue
         if before is None or not before[0]:
-            return make(site, node, before, after)
+            return i
     return None
+
+
+def _norm_name(name: str) -> str:
+    return re.sub(r"backward\d*$", "", name.lower()).replace("_", "")
+
+
+def _refine(origin: Origin, node: Any, inner: tuple[str, bool, list[float] | None, list[float] | None]) -> None:
+    """Name the aten op inside a composite function, and its backward node when one matches."""
+    name, _intended, before, after = inner
+    origin.forward_op = f"{origin.forward_op} > aten.{name}"
+    origin.incoming = _magnitudes(before)
+    if after is not None:
+        origin.outgoing = _out(after)
+    wanted = _norm_name(name)
+    match = None
+    frontier, seen = [node], set()
+    while frontier and len(seen) < 2000:
+        n = frontier.pop(0)
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if _norm_name(n.name()) == wanted:
+            match = n
+            break
+        frontier.extend(nxt for nxt, _ in n.next_functions)
+    origin.op = match.name() if match is not None else f"aten.{name}"
+    if match is not None:
+        origin.traceback = _traceback(match) or origin.traceback

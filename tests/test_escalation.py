@@ -379,3 +379,33 @@ def test_nan_batch_through_batchnorm_is_blamed_on_the_input() -> None:
             opt.step()
     mine = [(f.kind, f.step) for f in gw.findings if f.kind in ("nonfinite_input", "nan_origin")]
     assert mine[0] == ("nonfinite_input", 1)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        out, _ = self.attn(x, x, x, key_padding_mask=pad)
+        return self.head(out)
+
+
+def test_fully_masked_attention_row_names_the_softmax_inside_attention() -> None:
+    model = Attention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for step in range(3):
+            x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(step))
+            pad = torch.zeros(2, 5, dtype=torch.bool)
+            pad[1, :] = step == 1  # sequence 1 is all padding at step 1
+            loss = model(x, pad).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    first = origins(gw)[0]
+    assert (first.step, first.module) == (1, "attn")
+    assert first.op == "SoftmaxBackward0"
+    assert "aten._softmax" in first.data["forward_op"]
