@@ -20,6 +20,7 @@ from gradwatch.distributed import is_rank_zero
 from gradwatch.engine import Engine
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
+from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
 
 _WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Watcher] = weakref.WeakKeyDictionary()
@@ -49,6 +50,10 @@ class Watcher:
             raise TypeError(f"watch() needs a torch.nn.Module as model, got {type(model).__name__}: {model!r:.80}")
         optimizers = _as_optimizers(optimizer)
         cfg = make_config(**config)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}: {scaler!r:.80}"
+            )
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters (none with requires_grad=True), so there "
@@ -72,7 +77,12 @@ class Watcher:
             _WATCHED[opt] = self
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre_step, i)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._post_step, i)))
-        for ext in default_extensions(self.engine, scaler=scaler, integration="plain"):
+        try:
+            extensions = default_extensions(self.engine, scaler=scaler, integration="plain")
+        except Exception as exc:  # noqa: BLE001 - watch on with the core checks only
+            internal_warning("default_extensions", exc, owner=self.engine)
+            extensions = []
+        for ext in extensions:
             self.engine.add_extension(ext)
 
     # -- public ------------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ def test_same_optimizer_watched_twice_at_once() -> None:
 @pytest.mark.parametrize("loss", ["0.5", None, [1.0], True], ids=["str", "None", "list", "bool"])
 def test_observe_loss_of_the_wrong_type(loss: Any) -> None:
     with gradwatch.watch(nn.Linear(2, 1), console=False) as gw:
-        with pytest.raises(TypeError, match=f"observe_loss.. takes the loss as a tensor or a number, got {type(loss).__name__}"):
+        expected = f"observe_loss.. takes the loss as a tensor or a number, got {type(loss).__name__}"
+        with pytest.raises(TypeError, match=expected):
             gw.observe_loss(loss)
 
 
@@ -309,3 +310,11 @@ def test_parameters_on_several_devices() -> None:  # pragma: no cover - no GPU o
     opt = torch.optim.SGD(split.parameters(), lr=0.1)
     gw = run(split, opt, lambda s: split(torch.randn(2, 3)).pow(2).mean() * (float("nan") if s == 1 else 1.0))
     assert ("nonfinite_grad", 1) in kinds(gw)
+
+
+def test_scaler_that_is_not_a_grad_scaler() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler or None, got str"):
+        gradwatch.watch(model, opt, scaler="amp", console=False)
+    assert not opt._optimizer_step_pre_hooks

@@ -120,9 +120,8 @@ def build(case: Case) -> tuple[Generated, torch.optim.Optimizer]:
         for p in model.parameters()
         if id(p) not in left_out and (p.requires_grad or case.frozen_in_optimizer)
     ]
-    groups = [
-        {"params": params[g :: case.groups], "lr": 0.05 / (g + 1)} for g in range(case.groups) if params[g :: case.groups]
-    ]
+    shares = [params[g :: case.groups] for g in range(case.groups)]
+    groups = [{"params": share, "lr": 0.05 / (g + 1)} for g, share in enumerate(shares) if share]
     kind = case.optimizer
     if kind == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=0.05)

@@ -432,3 +432,58 @@ def test_after_close_a_nan_update_is_applied_as_without_gradwatch() -> None:
     loss.backward()
     opt.step()
     assert torch.isnan(model.head.weight).all()
+
+
+def test_skip_after_a_failed_closure_step_keeps_the_current_optimizer_state() -> None:
+    """A closure that raised must leave nothing behind that a later skipped step could restore."""
+
+    def broken_closure() -> torch.Tensor:
+        raise OSError("loader died")
+
+    def run(watched: bool) -> list[torch.Tensor]:
+        model, _ = make()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        gw = gradwatch.watch(model, opt, console=False) if watched else None
+        for step, x in enumerate(batches()):
+            loss = model(x).pow(2).mean() * (float("nan") if step == 4 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            if step == 1:
+                with pytest.raises(OSError):
+                    opt.step(broken_closure)
+            if watched or step != 4:
+                opt.step()
+        if gw is not None:
+            gw.close()
+        return [p.detach().clone() for p in model.parameters()] + [
+            t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        ]
+
+    watched, reference = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, reference))
+
+
+def test_tensorboard_writer_closed_mid_run_keeps_logging(tmp_path, record) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "run"
+    model, opt = make()
+    gw = gradwatch.watch(model, opt, console=False, log_dir=str(log_dir))
+    tb = gw.engine.reporters.of_type(TensorBoardReporter)
+
+    def close_writer(step: int) -> None:
+        if step == 1:
+            tb.flush()
+            tb.writer.close()  # e.g. another library finalising the writer it shares
+
+    train(model, opt, gw, between=close_writer)
+    gw.close()
+    assert_same_params(model, reference_params())
+    assert kinds(gw) == healthy_kinds()
+    assert internal_warnings(record) == []
+    steps = set()
+    for path in glob.glob(str(log_dir / "events.out.tfevents.*")):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0}).Reload()
+        if "gradwatch/grad_norm/total" in acc.Tags()["scalars"]:
+            steps |= {e.step for e in acc.Scalars("gradwatch/grad_norm/total")}
+    assert steps == set(range(STEPS)) - {NAN_AT}  # a NaN norm is left out of the charts
