@@ -487,3 +487,26 @@ def test_tensorboard_writer_closed_mid_run_keeps_logging(tmp_path, record) -> No
         if "gradwatch/grad_norm/total" in acc.Tags()["scalars"]:
             steps |= {e.step for e in acc.Scalars("gradwatch/grad_norm/total")}
     assert steps == set(range(STEPS)) - {NAN_AT}  # a NaN norm is left out of the charts
+
+
+def test_gradients_after_each_step_are_the_ones_backward_produced() -> None:
+    """gradwatch only reads gradients: after every step, including a skipped one, they are untouched."""
+
+    def grads_after_each_step(watched: bool) -> list[list[torch.Tensor]]:
+        model, opt = make()
+        gw = gradwatch.watch(model, opt, console=False) if watched else None
+        seen: list[list[torch.Tensor]] = []
+
+        def keep(step: int) -> None:
+            seen.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+
+        train(model, opt, gw, between=keep)
+        if gw is not None:
+            gw.close()
+        return seen
+
+    watched, reference = grads_after_each_step(True), grads_after_each_step(False)
+    assert [len(g) for g in watched] == [len(g) for g in reference] == [4] * STEPS
+    for a, b in zip(watched, reference):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)  # bit-identical, NaN included
