@@ -398,7 +398,7 @@ def test_exploding_rnn_is_reported_before_the_loss_goes_nan() -> None:
     assert exploding and exploding[0].step == 0, show(gw.findings)
     first_nonfinite = min((f.step for f in gw.findings if f.kind in NONFINITE), default=math.inf)
     assert exploding[0].step < first_nonfinite
-    assert exploding[0].module in ("rnn", None) or "rnn" in exploding[0].message, show(exploding)
+    assert exploding[0].module == "rnn", show(exploding)
 
 
 class MLP(nn.Module):
@@ -771,7 +771,8 @@ def test_forgotten_zero_grad_reported_at_the_second_step_with_the_parameters() -
             opt.step()
     f = of(gw.findings, "zero_grad_missing")
     assert f and f[0].step == 1, show(gw.findings)
-    assert set(f[0].params) & {n for n, _ in model.named_parameters()}
+    assert set(f[0].params) == {n for n, _ in model.named_parameters()}
+    assert f[0].data.get("optimizer") == 0
     assert "zero_grad" in f[0].message
 
 
@@ -822,6 +823,86 @@ def test_gradient_accumulation_without_zero_grad_after_step_is_reported() -> Non
                 opt.step()  # zero_grad() only before the loop: every step re-applies old gradients
     f = of(gw.findings, "zero_grad_missing")
     assert f and f[0].step == 1, show(gw.findings)
+
+
+# https://github.com/karpathy/nanoGPT/issues/605 (nanoGPT accumulates 40 micro-batches per step)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the plain-loop replay keeps only the last MAX_CALLS=4 forward calls of a step "
+    "(escalation.py MAX_CALLS / _calls); with 8 micro-batches the NaN one is gone, the replay is finite and "
+    "no nan_origin is emitted on the step (nor later: the batch does not recur)",
+)
+def test_nan_in_an_early_micro_batch_of_a_long_accumulation_is_localized() -> None:
+    model = SoftmaxClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.arange(8) % 5
+    with watch(model, opt) as gw:
+        for i, x in enumerate(batches(24)):
+            if i == 8:
+                x = x * 1e4  # first micro-batch of step 1
+            (F.nll_loss(model(x), y) / 8).backward()
+            if (i + 1) % 8 == 0:
+                opt.step()
+                opt.zero_grad()
+    assert [f.step for f in of(gw.findings, "nonfinite_grad")] == [1], show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op, origin[0].module) == (1, "LogBackward0", "head"), show(
+        gw.findings
+    )
+
+
+# https://github.com/facebookresearch/detectron2/issues/1120 ("if flag: loss += output(x)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="none_grad is re-reported whenever the set changes, so a branch used every other step gives a "
+    "finding every other step (checks/none_grad.py compares with the last reported set only, and "
+    "history.reported is overwritten by the empty set in between)",
+)
+def test_auxiliary_branch_used_every_other_step_is_reported_once() -> None:
+    class WithAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Linear(8, 16)
+            self.head = nn.Linear(16, 1)
+            self.aux = nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+            h = torch.relu(self.body(x))
+            loss = self.head(h).pow(2).mean()
+            if flag:
+                loss = loss + self.aux(h).pow(2).mean()
+            return loss
+
+    model = WithAux()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt) as gw:
+        for i, x in enumerate(batches(20)):
+            loss = model(x, flag=i % 2 == 1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = of(gw.findings, "none_grad")
+    assert len(f) == 1 and f[0].params == ("aux.weight", "aux.bias"), show(gw.findings)
+
+
+# https://github.com/qubvel-org/segmentation_models.pytorch/issues/463
+def test_real_nan_source_under_grad_scaler_is_warned_as_persistent_overflow() -> None:
+    model = SoftmaxClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    y = torch.arange(8) % 5
+    with watch(model, opt, scaler=scaler) as gw:
+        for i, x in enumerate(batches(30)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x * (1e4 if i >= 5 else 1))  # from step 5 on, every batch hits log(0)
+            opt.zero_grad()
+            scaler.scale(F.nll_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    persistent = of(gw.findings, "amp_overflow_persistent")
+    assert persistent and persistent[0].severity == "warning" and persistent[0].step < 20, show(gw.findings)
+    assert not of(gw.findings, "nonfinite_grad"), show(gw.findings)
 
 
 # == must-not-flag set-ups ==========================================================================
@@ -962,6 +1043,25 @@ def test_dcgan_loop_with_two_optimizers_is_silent() -> None:
     assert problems(gw.findings) == [], show(gw.findings)
 
 
+# https://github.com/pytorch/examples/blob/main/dcgan/main.py (one watcher per network)
+def test_dcgan_with_one_watcher_per_network_is_silent() -> None:
+    gan = GAN(PlainGenerator())
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    bce = nn.BCELoss()
+    with watch(gan.D, opt_d) as gw_d, watch(gan.G, opt_g) as gw_g:
+        for real in batches(20):
+            gan.D.zero_grad()
+            bce(gan.D(real), torch.ones(8, 1)).backward()
+            fake = gan.G(torch.randn(8, 4))
+            bce(gan.D(fake.detach()), torch.zeros(8, 1)).backward()
+            opt_d.step()
+            gan.G.zero_grad()
+            bce(gan.D(fake), torch.ones(8, 1)).backward()
+            opt_g.step()
+    assert problems(gw_d.findings) == [] and problems(gw_g.findings) == [], show(gw_d.findings + gw_g.findings)
+
+
 # https://discuss.pytorch.org/t/what-does-the-backward-function-do/9944/2
 def test_validation_under_no_grad_inside_the_training_loop_is_silent() -> None:
     model = Wide()
@@ -1004,11 +1104,11 @@ def test_clip_grad_norm_with_a_nan_still_names_the_origin_and_skips() -> None:
 def test_clip_grad_norm_and_scheduler_on_a_healthy_run_are_silent() -> None:
     model = MLP(depth=4, width=32)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=60)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(8, 1, generator=g)
     with watch(model, opt) as gw:
-        for _ in range(60):
+        for _ in range(40):
             x = torch.randn(32, 8, generator=g)
             loss = F.mse_loss(model(x), x @ w)
             gw.observe_loss(loss)
@@ -1055,6 +1155,10 @@ class SelfAttentionEncoder(nn.Module):
         return self.out(h).mean(1)
 
 
+def adam_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
 def train_with_an_empty_sequence() -> tuple[gradwatch.Watcher, bool]:
     model = SelfAttentionEncoder()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -1065,14 +1169,14 @@ def train_with_an_empty_sequence() -> tuple[gradwatch.Watcher, bool]:
             pad[:, 5] = True
             if step == 3:
                 pad[2] = True  # an empty example: every key of it is padding
-            before = snapshot(model)
+            before, state = snapshot(model), adam_state(opt)
             loss = F.mse_loss(model(x, pad), torch.zeros(4, 1))
             gw.observe_loss(loss)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if step == 3:
-                kept = unchanged(before, model)
+            if step == 3:  # weights and Adam's moments and step counts untouched by the skipped step
+                kept = unchanged(before, model) and all(map(torch.equal, state, adam_state(opt)))
     return gw, kept
 
 
@@ -1085,16 +1189,11 @@ def test_fully_padded_sequence_in_multihead_attention_names_the_attention_module
 
 
 # https://github.com/pytorch/pytorch/issues/41508
-@pytest.mark.xfail(
-    strict=True,
-    reason="the forward localizer records F.multi_head_attention_forward as one op and names its last "
-    "node (ViewBackward0) instead of the softmax over all -inf keys (localize.py / TorchFunctionMode "
-    "sees only the outermost torch function)",
-)
 def test_fully_padded_sequence_in_multihead_attention_names_the_softmax() -> None:
     gw, _ = train_with_an_empty_sequence()
     origin = of(gw.findings, "nan_origin")[0]
     assert origin.op == "SoftmaxBackward0", show([origin]) + f"\nforward_op={origin.data.get('forward_op')}"
+    assert "mask" in origin.message  # the fix speaks of the padding mask, not of the learning rate
 
 
 # https://github.com/thtrieu/darkflow/issues/1059 ("check your labels": NaN in the data)
@@ -1123,6 +1222,27 @@ def test_nan_in_the_dataset_of_an_mlp_is_blamed_on_the_input() -> None:
     f = of(gw.findings, "nonfinite_input")
     assert f and f[0].step == 1, show(gw.findings)
     assert not of(gw.findings, "nan_origin"), show(gw.findings)
+
+
+# https://github.com/facebookresearch/detectron2/issues/1120 (a branch whose loss is only sometimes added)
+def test_loss_averaged_over_an_empty_positive_mask_is_attributed_to_the_loss() -> None:
+    model = Detector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            positive = x[:, 0] > 0
+            if step == 2:
+                positive[:] = False  # a batch without a single positive example
+            p = model(x)
+            loss = -(torch.log(p + 1e-6) * positive).sum() / positive.sum()  # 0 / 0
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.step for f in of(gw.findings, "nonfinite_loss")] == [2], show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 2 and origin[0].data.get("phase") == "loss", show(gw.findings)
+    assert "division by a zero" in origin[0].message
 
 
 # https://github.com/pytorch/pytorch/issues/4534 (BatchNorm statistics must survive gradwatch's replay)

@@ -553,3 +553,70 @@ def test_layer_defined_but_unused_in_forward_is_named_once(namespace: str) -> No
     assert len(f) == 1 and f[0].step == 0, show(cb.findings)
     assert set(f[0].params) == {"aux_head.weight", "aux_head.bias"}
     assert problems(cb.findings) == f, show(cb.findings)
+
+
+class LossRecorder(Snapshots):
+    """Records the loss each training_step returns (what the user logs and expects to see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.returned: list[float] = []
+        self.snaps = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.returned.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:
+        return loader()
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/13243
+def test_logged_loss_under_accumulation_is_not_divided_by_the_accumulation_factor(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ns = ns_of("lightning.pytorch")
+    cb = callback()
+    logger = ns.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
+    model = build(ns, LossRecorder)
+    trainer(ns, cb, max_steps=4, accumulate_grad_batches=4, logger=logger).fit(model)
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("gradwatch/loss")}
+    expected = {k: sum(model.returned[4 * k : 4 * k + 4]) / 4 for k in range(4)}
+    assert sorted(logged) == [0, 1, 2, 3], logged
+    for k in range(4):
+        assert logged[k] == pytest.approx(expected[k], rel=1e-5), (logged, expected)
+
+
+class NanInMicroBatch(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if batch_idx == 5:
+            x = x * 1e4  # the second micro-batch of the second accumulation window
+        target = y.long().squeeze(1)
+        p = torch.softmax(self(x), dim=-1).gather(1, target[:, None]).squeeze(1)
+        return (-(1 - p) ** 2 * torch.log(p)).mean()
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/19987
+@pytest.mark.xfail(
+    strict=True,
+    reason="with accumulate_grad_batches the Lightning replay only has the last micro-batch "
+    "(escalation.py lightning_batch_start keeps one _Batch), so a NaN born in an earlier micro-batch is not "
+    "reproduced and no nan_origin is emitted",
+)
+def test_nan_in_one_micro_batch_under_accumulate_grad_batches_is_localized() -> None:
+    ns = ns_of("lightning.pytorch")
+    cb = callback()
+    trainer(ns, cb, max_steps=3, accumulate_grad_batches=4).fit(build(ns, NanInMicroBatch))
+    assert {f.step for f in cb.findings if f.kind in NONFINITE} == {1}, show(cb.findings)
+    origin = of(cb.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (1, "LogBackward0"), show(cb.findings)
