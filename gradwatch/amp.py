@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
 
+from gradwatch.report import internal_warning
 from gradwatch.stats import StepStats, layer_norms, total_norm
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
@@ -70,10 +72,75 @@ class AmpMonitor:
         self._consecutive = 0
         self._settled = False
         self._persistent_reported = False
-        self._looked_up = 0
+        self._streak: dict[str, Any] | None = None
+        self._hook: Any = None
+        self._grad_ref: Any = None
+        self._steps_at_last_cycle = -1
+        self._unstepped = 0
 
     def attach(self, engine: Any) -> None:
         self._engine = engine
+        if self.integration == "plain" and self.scaler is not None:
+            self._watch_unstepped_cycles(engine)
+
+    # -- no optimizer step at all ------------------------------------------------------------------
+    def _watch_unstepped_cycles(self, engine: Any) -> None:
+        """Notice a scaler that never lets a step through: then no step hook of gradwatch ever runs.
+
+        One parameter gets a post-accumulate-grad hook (one Python call per backward). A gradient
+        that is a new tensor (``zero_grad()`` set the old one to None) while no optimizer step ran
+        since the previous new one means an iteration ended without an update.
+        """
+        sentinel = next(
+            (p for op in engine.index.per_optimizer for p in op.params if p.requires_grad and p.is_leaf), None
+        )
+        if sentinel is None or not hasattr(sentinel, "register_post_accumulate_grad_hook"):
+            return
+        self._hook = sentinel.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        engine = self._engine
+        if engine is None or engine.closed:
+            return
+        try:
+            grad = param.grad
+            previous = self._grad_ref() if self._grad_ref is not None else None
+            if grad is None or grad is previous:
+                return  # accumulation into the same gradient
+            steps = sum(engine.step_counts)
+            if self._grad_ref is not None and steps == self._steps_at_last_cycle:
+                self._unstepped += 1
+            else:
+                self._unstepped = 0
+            self._grad_ref = weakref.ref(grad)
+            self._steps_at_last_cycle = steps
+            if self._unstepped >= PERSISTENT_STEPS and not self._persistent_reported:
+                self._check_unstepped(engine)
+        except Exception as exc:  # noqa: BLE001 - never break the user's backward
+            internal_warning("AmpMonitor (unstepped iterations)", exc, owner=engine)
+
+    def _check_unstepped(self, engine: Any) -> None:
+        scaler = self.scaler
+        if scaler is None or getattr(scaler, "_scale", None) is None:
+            return
+        scale = float(scaler._scale.item())  # a degenerate run only: no update for many iterations
+        stats = StepStats(step=engine.step_counts[0] + self._unstepped - 1)
+        self._consecutive = self._unstepped
+        streak, self._streak = self._streak, {
+            "first_step": engine.step_counts[0],
+            "n": self._unstepped,
+            "scale": scale / scaler_backoff(scaler) ** self._unstepped,
+            "new_scale": scale,
+            "loss_nonfinite": False,
+        }
+        try:
+            self._report(stats, done=None, no_update_yet=not self._settled)
+        finally:
+            self._streak = streak
+        from gradwatch.checks import amp_overflow
+
+        for f in amp_overflow.check(stats, engine.history, engine.config):
+            engine.add_finding(f)
 
     # -- before the sync ---------------------------------------------------------------------------
     def before_sync(self, ctx: Any) -> None:
@@ -136,54 +203,61 @@ class AmpMonitor:
         overflow_here = "found_inf" in self._slots and values[self._slots["found_inf"]][0] > 0
         hidden = self._hidden_overflows(scale, tracker) if self.integration == "plain" else 0
         self._last_scale, self._last_tracker, self._last_was_overflow = scale, tracker, overflow_here
+        backoff = scaler_backoff(self.scaler)
         if hidden:
             first = stats.step
             if len(self._engine.optimizers) == 1:
                 # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
                 self._engine.step_counts[stats.optimizer_index] += hidden
                 stats.step += hidden
-            self._note(stats, hidden, first_step=first, scale=scale * _inverse(scaler_backoff(self.scaler)), new_scale=scale)
-            self._consecutive = 0
-            self._settled = True
+            self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale)
         if overflow_here:
             loss_nonfinite = stats.loss_nonfinite
             _blank(stats)
-            self._note(
-                stats,
-                1,
-                first_step=stats.step,
-                scale=scale,
-                new_scale=scale * scaler_backoff(self.scaler),
-                loss_nonfinite=loss_nonfinite,
-            )
-        elif not hidden:
+            self._grow_streak(stats.step, 1, before=scale, after=scale * backoff, loss_nonfinite=loss_nonfinite)
+            self._report(stats, done=None)
+        else:
+            done, self._streak = self._streak, None
+            self._report(stats, done=done)
             self._consecutive = 0
             self._settled = True
-            self._persistent_reported = False
-        else:
             self._persistent_reported = False
         scalars = stats.extra.setdefault("scalars", {})
         scalars["gradwatch/amp/scale"] = scale
         scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
 
-    def _note(self, stats: StepStats, n: int, *, first_step: int, scale: float, new_scale: float, loss_nonfinite: bool = False) -> None:
+    def _grow_streak(self, first: int, n: int, *, before: float, after: float, loss_nonfinite: bool = False) -> None:
+        """Consecutive overflow steps are reported together, once the streak ends (or persists)."""
         self.overflow_steps += n
         self._consecutive += n
+        if self._streak is None:
+            self._streak = {"first_step": first, "n": 0, "scale": before, "loss_nonfinite": False}
+        self._streak["n"] += n
+        self._streak["new_scale"] = after
+        self._streak["loss_nonfinite"] = self._streak["loss_nonfinite"] or loss_nonfinite
+
+    def _report(self, stats: StepStats, *, done: dict[str, Any] | None, **more: Any) -> None:
+        streak = done or self._streak
+        if streak is None:
+            return
         persistent = False
         if not self._persistent_reported and (
-            new_scale < SCALE_FLOOR or (self._settled and self._consecutive >= PERSISTENT_STEPS)
+            streak["new_scale"] < SCALE_FLOOR or (self._settled and self._consecutive >= PERSISTENT_STEPS)
         ):
             persistent = self._persistent_reported = True
+        if done is None and not persistent:
+            return
         stats.extra["amp"] = {
-            "overflow_steps": n,
-            "first_step": first_step,
-            "scale": scale,
-            "new_scale": new_scale,
+            "overflow_steps": done["n"] if done else 0,
+            "first_step": streak["first_step"],
+            "scale": streak["scale"],
+            "new_scale": streak["new_scale"],
             "consecutive": self._consecutive,
             "total": self.overflow_steps,
             "persistent": persistent,
-            "loss_nonfinite": loss_nonfinite,
+            "loss_nonfinite": streak["loss_nonfinite"],
             "optimizer": stats.optimizer_index,
+            **more,
         }
 
     def _hidden_overflows(self, scale: float, tracker: float) -> int:
@@ -205,7 +279,41 @@ class AmpMonitor:
         return _steps_between(self._last_scale, scale, backoff, factors)
 
     def close(self) -> None:
-        self._engine = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        engine, self._engine = self._engine, None
+        if engine is not None and self.integration == "plain":
+            try:
+                self._count_trailing_overflows(engine)
+            except Exception as exc:  # noqa: BLE001
+                internal_warning("AmpMonitor.close", exc, owner=engine)
+
+    def _count_trailing_overflows(self, engine: Any) -> None:
+        """Overflow steps after the last checked one (read once, at the end of the run)."""
+        scaler = self.scaler
+        if scaler is None or getattr(scaler, "_scale", None) is None or len(engine.optimizers) != 1:
+            return
+        scale = float(scaler._scale.item())
+        tracker = float(scaler._growth_tracker.item()) if getattr(scaler, "_growth_tracker", None) is not None else 0.0
+        self._engine = engine
+        try:
+            hidden = self._hidden_overflows(scale, tracker)
+        finally:
+            self._engine = None
+        first = engine.step_counts[0]
+        if hidden:
+            engine.step_counts[0] += hidden
+            self._grow_streak(first, hidden, before=scale / scaler_backoff(scaler) ** hidden, after=scale)
+        done, self._streak = self._streak, None
+        if done is None:
+            return
+        stats = StepStats(step=engine.step_counts[0] - 1)
+        self._report(stats, done=done)
+        from gradwatch.checks import amp_overflow
+
+        for f in amp_overflow.check(stats, engine.history, engine.config):
+            engine.add_finding(f)
 
 
 def scaler_backoff(scaler: Any) -> float:

@@ -158,3 +158,45 @@ def test_fsdp_nan_in_one_ranks_shard_is_skipped_on_both(runs: list[dict[str, Any
     assert kinds(r0) == [("nonfinite_on_other_rank", 3)]
     (f,) = r1["findings"]
     assert (f["kind"], f["params"], f["data"]["rank"]) == ("nonfinite_grad", ["encoder.0.weight"], 1)
+
+
+# -- Lightning strategy="ddp" (two processes on CPU; Lightning starts the second one itself) ----------------
+LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "_lightning_ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("lightning.pytorch")
+    tmp = str(tmp_path_factory.mktemp("lightning_ddp"))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, LIGHTNING_WORKER, tmp], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # Lightning's launcher takes its child process down with it
+        out, _ = proc.communicate()
+        pytest.fail(f"the Lightning ddp run hung for {TIMEOUT}s:\n{out}")
+    assert proc.returncode == 0, out
+    runs = []
+    for rank in (0, 1):
+        with open(os.path.join(tmp, f"lightning_rank{rank}.json")) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def test_lightning_ddp_nan_on_one_rank_is_skipped_on_both(lightning_runs: list[dict[str, Any]]) -> None:
+    r0, r1 = lightning_runs
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["global_step"] == r1["global_step"] == 6
+    for r in (r0, r1):
+        assert r["around_nan"]["before"] == r["around_nan"]["after"]
+    assert r0["params"] == r1["params"]
+
+
+def test_lightning_ddp_findings_carry_ranks_and_only_rank_zero_prints(lightning_runs: list[dict[str, Any]]) -> None:
+    r0, r1 = lightning_runs
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_grad"]
+    assert f["step"] == 3 and f["data"]["rank"] == 0 and f["data"]["ranks"] == [0, 1]
+    assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
+    assert "nonfinite_grad at step 3" in r0["console"] and r1["console"] == ""

@@ -16,11 +16,10 @@ from gradwatch.stats import StepStats
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     amp = stats.extra.get("amp")
-    if not isinstance(amp, dict) or not amp.get("overflow_steps"):
+    if not isinstance(amp, dict):
         return []
-    n = int(amp["overflow_steps"])
+    n = int(amp.get("overflow_steps") or 0)
     first = int(amp.get("first_step", stats.step))
-    steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
     new_scale = _fmt(amp.get("new_scale"))
     data: dict[str, Any] = {
         "overflow_steps": n,
@@ -31,22 +30,26 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         "total": amp.get("total"),
         "optimizer": amp.get("optimizer", stats.optimizer_index),
     }
-    out = [
-        Finding(
-            kind="amp_overflow",
-            step=first,
-            severity="info",
-            message=(
-                f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): the "
-                f"scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
-                f"{new_scale}. This is how dynamic loss scaling finds its scale; a few such steps, mostly "
-                "early in training, are normal and need no action."
-            ),
-            data=data,
+    out: list[Finding] = []
+    if n:
+        steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
+        out.append(
+            Finding(
+                kind="amp_overflow",
+                step=first,
+                severity="info",
+                message=(
+                    f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): the "
+                    f"scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
+                    f"{new_scale}. This is how dynamic loss scaling finds its scale; a few such steps, mostly "
+                    "early in training, are normal and need no action."
+                ),
+                data=data,
+            )
         )
-    ]
     if amp.get("persistent"):
         loss_hint = " The loss itself was non-finite on that step." if amp.get("loss_nonfinite") else ""
+        none_yet = " No update has gone through yet." if amp.get("no_update_yet") else ""
         out.append(
             Finding(
                 kind="amp_overflow_persistent",
@@ -54,7 +57,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 severity="warning",
                 message=(
                     f"The gradient scaler keeps skipping updates: {amp.get('consecutive')} overflow steps in a "
-                    f"row up to step {stats.step}, loss scale now {new_scale}.{loss_hint}\n"
+                    f"row up to step {stats.step}, loss scale now {new_scale}.{none_yet}{loss_hint}\n"
                     "Why it matters: every skipped step is a lost update; when the scale keeps falling the "
                     "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
                     "stops training.\nFix: check the loss and the inputs for NaN/Inf (run a few steps without "

@@ -1,0 +1,215 @@
+"""Mixed precision: a GradScaler's overflow steps are reported as such, never as NaN incidents."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_module, tiny_trainer
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+
+if not hasattr(torch.amp, "GradScaler"):
+    pytest.skip("torch.amp.GradScaler is needed", allow_module_level=True)
+
+CALIBRATION = 2.0**24  # a few fp16 overflow steps at the start of a healthy run, then a settled scale
+
+
+def text_console() -> Console:
+    return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def amp_loop(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    steps: int,
+    *,
+    nan_loss_from: int | None = None,
+    nan_grad_at: int | None = None,
+    on_step: Any = None,
+) -> None:
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).pow(2).mean()
+        if nan_loss_from is not None and step >= nan_loss_from:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if step == nan_grad_at:
+            scaler.unscale_(opt)
+            model[2].bias.grad[0] = float("nan")  # after the scaler's inf check: it will not skip
+        if on_step is not None:
+            on_step(step, "before")
+        scaler.step(opt)
+        scaler.update()
+        if on_step is not None:
+            on_step(step, "after")
+
+
+def kinds(findings: list[gradwatch.Finding]) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in findings]
+
+
+# -- plain loop ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hand_scaler", [True, False], ids=["scaler-handed", "scaler-found"])
+def test_overflow_steps_of_a_healthy_run_are_one_info_finding(hand_scaler: bool) -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    extra = {"scaler": scaler} if hand_scaler else {}
+    with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+        amp_loop(model, opt, scaler, 16)
+    (f,) = gw.findings
+    assert (f.kind, f.severity, f.step) == ("amp_overflow", "info", 0)
+    assert f.data["overflow_steps"] == 9 and f.data["steps"] == list(range(9))
+    assert f.data["new_scale"] == scaler.get_scale() == 2.0**15
+    assert gw.engine.steps_skipped == 0
+
+
+def test_step_numbers_count_the_steps_the_scaler_skipped() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        amp_loop(model, opt, scaler, 16, nan_grad_at=12)
+    assert ("nonfinite_grad", 12) in kinds(gw.findings)  # iteration 12, although only 4 updates went through
+    assert gw.summary().steps == 16
+
+
+def test_skip_stays_exact_under_amp() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    seen: dict[str, Any] = {}
+
+    def on_step(step: int, when: str) -> None:
+        if step == 12:
+            seen[when] = (
+                [p.detach().clone() for p in model.parameters()],
+                [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+            )
+
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        amp_loop(model, opt, scaler, 14, nan_grad_at=12, on_step=on_step)
+    (params_before, momentum_before), (params_after, momentum_after) = seen["before"], seen["after"]
+    assert all(torch.equal(a, b) for a, b in zip(params_before, params_after))
+    assert all(torch.equal(a, b) for a, b in zip(momentum_before, momentum_after))
+    assert gw.engine.steps_skipped == 1
+
+
+def test_overflow_that_persists_after_the_scale_settled_is_a_warning() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    console = text_console()
+    with gradwatch.watch(model, opt, console=console, scaler=scaler) as gw:
+        amp_loop(model, opt, scaler, 30, nan_loss_from=14)
+    assert not [f for f in gw.findings if f.kind.startswith("nonfinite") or f.severity == "error"]
+    (w,) = [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
+    assert w.severity == "warning" and w.step == 14 + 8 - 1
+    assert "The gradient scaler keeps skipping updates: 8 overflow steps in a row up to step 21" in console.file.getvalue()
+    last = [f for f in gw.findings if f.kind == "amp_overflow"][-1]
+    assert last.data["steps"] == list(range(14, 30))  # counted at close: no update went through since
+
+
+def test_scaler_that_never_lets_an_update_through_is_a_warning() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        amp_loop(model, opt, scaler, 12, nan_loss_from=0)
+    (w,) = [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
+    assert w.data["new_scale"] < 1.0 and "No update has gone through yet" in w.message
+
+
+def test_fused_optimizer_norms_are_of_unscaled_gradients() -> None:
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    reference: list[float] = []
+    reported: list[float] = []
+
+    def on_step(step: int, when: str) -> None:
+        if when == "before" and step >= 9:
+            grads = [p.grad for p in model.parameters()]
+            reference.append(torch.nn.utils.get_total_norm(grads).item() / scaler.get_scale())
+        if when == "after" and step >= 9:
+            reported.append(gw.engine.history.last[0].total_norm)
+
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        amp_loop(model, opt, scaler, 14, on_step=on_step)
+    assert reported == pytest.approx(reference, rel=1e-4)
+    assert kinds(gw.findings) == [("amp_overflow", 0)] and gw.findings[0].data["overflow_steps"] == 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradient_norms_accumulate_in_float32(dtype: torch.dtype) -> None:
+    weight = nn.Parameter(torch.zeros(300, dtype=dtype))
+    model = nn.Module()
+    model.weight = weight
+    opt = torch.optim.SGD([weight], lr=0.0)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        weight.grad = torch.full((300,), 1e3, dtype=dtype)  # sum of squares 3e8 overflows fp16
+        opt.step()
+    assert gw.findings == []
+    assert gw.engine.history.last[0].total_norm == pytest.approx(math.sqrt(300) * 1e3, rel=1e-2)
+
+
+# -- Lightning -----------------------------------------------------------------------------------------
+def _lightning() -> Any:
+    return pytest.importorskip("lightning.pytorch")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscaled-in-hook", "fused-still-scaled"])
+def test_lightning_16_mixed_overflow_steps_are_info_and_norms_unscaled(fused: bool) -> None:
+    pl = _lightning()
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from gradwatch.lightning import GradWatchCallback
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    reference: list[float] = []
+    reported: list[float] = []
+
+    class Record(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters()]
+            divide = scaler.get_scale() if fused else 1.0
+            reference.append(torch.nn.utils.get_total_norm(grads).item() / divide)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            reported.append(cb.engine.history.last[0].total_norm)
+
+    cb = GradWatchCallback(console=text_console())
+    model = tiny_module(pl)
+    if fused:
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    trainer = tiny_trainer(pl, [cb, Record()], max_steps=14, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(model)
+    (f,) = cb.findings
+    assert (f.kind, f.step, f.data["overflow_steps"]) == ("amp_overflow", 0, 10)
+    assert cb.engine.steps_skipped == 0 and trainer.global_step == 14
+    assert reported[10:] == pytest.approx(reference[10:], rel=1e-4)
+
+
+def test_lightning_bf16_mixed_nan_is_skipped_as_usual() -> None:
+    pl = _lightning()
+    from gradwatch.lightning import GradWatchCallback
+
+    cb = GradWatchCallback(console=text_console(), escalate=False)
+    trainer = tiny_trainer(pl, [cb], max_steps=5, precision="bf16-mixed")
+    trainer.fit(tiny_module(pl, nan_at=2))
+    assert {(f.kind, f.step) for f in cb.findings} == {("nonfinite_loss", 2), ("nonfinite_grad", 2)}
+    assert cb.engine.steps_skipped == 1

@@ -1,0 +1,108 @@
+"""torch.compile: findings name the user's module paths, and watching adds no graph break."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_module, tiny_trainer
+from rich.console import Console
+from torch import nn
+
+import gradwatch
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402
+
+BACKEND = "aot_eager"  # the graph capture under test is Dynamo's; inductor's C++ build adds only time
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        self.aux = nn.Linear(8, 8)  # never used in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def text_console() -> Console:
+    return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+def train(compiled: nn.Module, opt: torch.optim.Optimizer, gw: Any, steps: int, nan_at: int | None = None) -> None:
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x).pow(2).mean()
+        if step == nan_at:
+            loss = loss * float("nan")
+        if gw is not None:
+            gw.observe_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Any:
+    counters.clear()
+    yield
+    dynamo.reset()
+
+
+def compiled_net() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = Net()
+    try:
+        compiled = torch.compile(model, backend=BACKEND)
+        compiled(torch.zeros(16, 4)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - no compiler on this platform
+        pytest.skip(f"torch.compile is unavailable here: {exc}")
+    model.zero_grad(set_to_none=True)
+    return model, compiled
+
+
+def test_findings_name_the_original_module_paths() -> None:
+    model, compiled = compiled_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(compiled, opt, console=text_console(), escalate=False) as gw:
+        train(compiled, opt, gw, 5, nan_at=3)
+    by_kind = {f.kind: f for f in gw.findings}
+    assert by_kind["none_grad"].params == ("aux.weight", "aux.bias")
+    assert by_kind["nonfinite_grad"].params == ("encoder.0.weight", "encoder.0.bias", "head.weight", "head.bias")
+    assert not any("_orig_mod" in p for f in gw.findings for p in f.params)
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def test_watching_a_compiled_model_adds_no_graph_break() -> None:
+    model, compiled = compiled_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dynamo.reset()
+    counters.clear()
+    train(compiled, opt, None, 3)
+    alone = (graph_breaks(), counters["stats"]["unique_graphs"])
+    dynamo.reset()
+    counters.clear()
+    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+        train(compiled, opt, gw, 3)
+    assert alone == (0, 1)
+    assert (graph_breaks(), counters["stats"]["unique_graphs"]) == alone
+
+
+def test_lightning_fit_of_a_compiled_module_names_the_original_paths() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradwatch.lightning import GradWatchCallback
+
+    cb = GradWatchCallback(console=text_console(), escalate=False)
+    model = tiny_module(pl, unused=True)
+    trainer = tiny_trainer(pl, [cb], max_steps=2)
+    trainer.fit(torch.compile(model, backend=BACKEND))
+    (f,) = [f for f in cb.findings if f.kind == "none_grad"]
+    assert f.params == ("aux_head.weight", "aux_head.bias")
