@@ -126,13 +126,16 @@ class AmpMonitor:
         scale = float(scaler._scale.item())  # a degenerate run only: no update for many iterations
         stats = StepStats(step=engine.step_counts[0] + self._unstepped - 1)
         self._consecutive = self._unstepped
-        streak, self._streak = self._streak, {
-            "first_step": engine.step_counts[0],
-            "n": self._unstepped,
-            "scale": scale / scaler_backoff(scaler) ** self._unstepped,
-            "new_scale": scale,
-            "loss_nonfinite": False,
-        }
+        streak, self._streak = (
+            self._streak,
+            {
+                "first_step": engine.step_counts[0],
+                "n": self._unstepped,
+                "scale": scale / scaler_backoff(scaler) ** self._unstepped,
+                "new_scale": scale,
+                "loss_nonfinite": False,
+            },
+        )
         try:
             self._report(stats, done=None, no_update_yet=not self._settled)
         finally:
@@ -320,10 +323,6 @@ def scaler_backoff(scaler: Any) -> float:
     return float(getattr(scaler, "_backoff_factor", 0.5))
 
 
-def _inverse(x: float) -> float:
-    return 1.0 / x if x else 1.0
-
-
 def _steps_between(before: float, after: float, backoff: float, factors: list[float]) -> int:
     """k such that ``after == before * factor * backoff**k`` for one of ``factors``; 0 if none fits."""
     for factor in factors:
@@ -332,7 +331,7 @@ def _steps_between(before: float, after: float, backoff: float, factors: list[fl
             continue
         k = math.log(after / start) / math.log(backoff)
         if k > -1e-6 and abs(k - round(k)) < 1e-3:
-            return int(round(k))
+            return round(k)
     return 0
 
 
@@ -369,7 +368,7 @@ def _is_scaler(obj: Any) -> bool:
 
 def _scaler_in_stack(depth: int = 32) -> Any:
     """The GradScaler whose ``step()`` is calling the optimizer right now, if any."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None

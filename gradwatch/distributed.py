@@ -237,7 +237,9 @@ class RankAgreement:
                 f.data.setdefault("ranks", list(ranks))
         if stats.is_nonfinite:
             return []
-        return [other_rank_finding(stats, ranks, stats.extra.get("rank_reports") or [], self._engine.config.on_nonfinite)]
+        return [
+            other_rank_finding(stats, ranks, stats.extra.get("rank_reports") or [], self._engine.config.on_nonfinite)
+        ]
 
 
 _ACTION = {

@@ -11,16 +11,17 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from rich.console import Console  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch import nn
 
-import gradwatch  # noqa: E402
+import gradwatch
 
 NAN_STEP = 3
 STEPS = 6

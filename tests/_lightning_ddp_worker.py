@@ -15,12 +15,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from conftest import tiny_module, tiny_trainer  # noqa: E402
-from rich.console import Console  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from conftest import tiny_module, tiny_trainer
+from rich.console import Console
 
-from gradwatch.lightning import GradWatchCallback  # noqa: E402
+from gradwatch.lightning import GradWatchCallback
 
 NAN_STEP = 3
 

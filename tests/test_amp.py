@@ -119,7 +119,9 @@ def test_overflow_that_persists_after_the_scale_settled_is_a_warning() -> None:
     assert not [f for f in gw.findings if f.kind.startswith("nonfinite") or f.severity == "error"]
     (w,) = [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
     assert w.severity == "warning" and w.step == 14 + 8 - 1
-    assert "The gradient scaler keeps skipping updates: 8 overflow steps in a row up to step 21" in console.file.getvalue()
+    assert (
+        "The gradient scaler keeps skipping updates: 8 overflow steps in a row up to step 21" in console.file.getvalue()
+    )
     last = [f for f in gw.findings if f.kind == "amp_overflow"][-1]
     assert last.data["steps"] == list(range(14, 30))  # counted at close: no update went through since
 

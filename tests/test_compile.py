@@ -14,7 +14,7 @@ from torch import nn
 import gradwatch
 
 dynamo = pytest.importorskip("torch._dynamo")
-from torch._dynamo.utils import counters  # noqa: E402
+from torch._dynamo.utils import counters
 
 BACKEND = "aot_eager"  # the graph capture under test is Dynamo's; inductor's C++ build adds only time
 
