@@ -18,7 +18,8 @@ import sys
 import textwrap
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -48,10 +49,13 @@ def quiet() -> Console:
 
 
 def show(findings: list[Finding]) -> str:
-    return "\n".join(
-        f"  {f.kind}@{f.step} [{f.severity}] op={f.op} module={f.module} params={list(f.params[:4])}"
-        for f in findings
-    ) or "  (no findings)"
+    return (
+        "\n".join(
+            f"  {f.kind}@{f.step} [{f.severity}] op={f.op} module={f.module} params={list(f.params[:4])}"
+            for f in findings
+        )
+        or "  (no findings)"
+    )
 
 
 def of(findings: list[Finding], kind: str) -> list[Finding]:
@@ -114,7 +118,9 @@ class SoftmaxClassifier(nn.Module):
         return self.head(self.body(x))
 
 
-def train_softmax_classifier(policy: str, bad_step: int = 3, steps: int = 6) -> tuple[gradwatch.Watcher, dict[int, Any]]:
+def train_softmax_classifier(
+    policy: str, bad_step: int = 3, steps: int = 6
+) -> tuple[gradwatch.Watcher, dict[int, Any]]:
     model = SoftmaxClassifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     y = torch.arange(8) % 5
@@ -517,10 +523,9 @@ def test_inplace_residual_add_after_relu_names_relu_module_and_reraises_unchange
     expected = reference_error(lambda: ResNetish()(torch.randn(8, 8)).sum().backward())
     model = ResNetish()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError) as raised:
-        with watch(model, opt) as gw:
-            for x in batches(3):
-                plain_step(model, opt, x)
+    with pytest.raises(RuntimeError) as raised, watch(model, opt) as gw:
+        for x in batches(3):
+            plain_step(model, opt, x)
     assert type(raised.value) is RuntimeError and str(raised.value) == str(expected)
     f = of(gw.findings, "inplace_error")
     assert len(f) == 1 and f[0].step == 0, show(gw.findings)
@@ -545,10 +550,9 @@ class GatedHead(nn.Module):
 def test_inplace_relu_after_sigmoid_names_the_sigmoid_module() -> None:
     model = GatedHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        with watch(model, opt) as gw:
-            for x in batches(3):
-                plain_step(model, opt, x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"), watch(model, opt) as gw:
+        for x in batches(3):
+            plain_step(model, opt, x)
     f = of(gw.findings, "inplace_error")
     assert len(f) == 1 and (f[0].step, f[0].op, f[0].module) == (0, "Sigmoid", "gate"), show(gw.findings)
     assert "inplace=True" in f[0].message
@@ -587,13 +591,12 @@ class GAN(nn.Module):
 def test_index_assignment_on_tanh_output_in_generator_names_the_generator() -> None:
     gan = GAN()
     opt_g = torch.optim.Adam(gan.G.parameters(), lr=2e-4)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        with watch(gan, opt_g) as gw:
-            z = torch.randn(8, 4)
-            loss = -torch.log(gan.D(gan.G(z))).mean()
-            opt_g.zero_grad()
-            loss.backward()
-            opt_g.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"), watch(gan, opt_g) as gw:
+        z = torch.randn(8, 4)
+        loss = -torch.log(gan.D(gan.G(z))).mean()
+        opt_g.zero_grad()
+        loss.backward()
+        opt_g.step()
     f = of(gw.findings, "inplace_error")
     assert len(f) == 1 and (f[0].op, f[0].module) == ("Tanh", "G"), show(gw.findings)
     assert "x[idx]" in str(f[0].data.get("modified_by")), f[0].data
@@ -616,19 +619,21 @@ def test_gan_discriminator_step_before_generator_backward_names_the_discriminato
     opt_g = torch.optim.Adam(gan.G.parameters(), lr=1e-4)
     opt_d = torch.optim.Adam(gan.D.parameters(), lr=1e-4)
     real = torch.randn(8, 8)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
-        with watch(gan, [opt_g, opt_d]) as gw:
-            for _ in range(2):
-                fake = gan.G(torch.randn(8, 4))
-                prob_real, prob_fake = gan.D(real), gan.D(fake)
-                d_loss = -torch.mean(torch.log(prob_real) + torch.log(1.0 - prob_fake))
-                g_loss = torch.mean(torch.log(1.0 - prob_fake))
-                opt_d.zero_grad()
-                d_loss.backward(retain_graph=True)
-                opt_d.step()
-                opt_g.zero_grad()
-                g_loss.backward()
-                opt_g.step()
+    with (
+        pytest.raises(RuntimeError, match="modified by an inplace operation") as raised,
+        watch(gan, [opt_g, opt_d]) as gw,
+    ):
+        for _ in range(2):
+            fake = gan.G(torch.randn(8, 4))
+            prob_real, prob_fake = gan.D(real), gan.D(fake)
+            d_loss = -torch.mean(torch.log(prob_real) + torch.log(1.0 - prob_fake))
+            g_loss = torch.mean(torch.log(1.0 - prob_fake))
+            opt_d.zero_grad()
+            d_loss.backward(retain_graph=True)
+            opt_d.step()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
     assert type(raised.value) is RuntimeError
     f = of(gw.findings, "inplace_error")
     assert len(f) == 1 and f[0].step == 0, show(gw.findings)
@@ -667,9 +672,11 @@ def test_lstm_hidden_state_not_detached_is_backward_twice_at_step_1() -> None:
             loss.backward()
             opt.step()
 
-    with pytest.raises(RuntimeError, match="backward through the graph a second time") as raised:
-        with watch(model, opt) as gw:
-            train()
+    with (
+        pytest.raises(RuntimeError, match="backward through the graph a second time") as raised,
+        watch(model, opt) as gw,
+    ):
+        train()
     assert type(raised.value) is RuntimeError
     f = of(gw.findings, "backward_twice")
     assert len(f) == 1 and f[0].step == 1, show(gw.findings)
@@ -680,15 +687,14 @@ def test_lstm_hidden_state_not_detached_is_backward_twice_at_step_1() -> None:
 def test_running_total_of_losses_backpropagated_is_backward_twice() -> None:
     model = MLP(depth=3, width=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        with watch(model, opt) as gw:
-            running = 0.0
-            for x in batches(4):
-                loss = model(x).pow(2).mean()
-                running = running + loss  # meant for logging, but keeps every step's graph alive
-                opt.zero_grad()
-                running.backward()
-                opt.step()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"), watch(model, opt) as gw:
+        running = 0.0
+        for x in batches(4):
+            loss = model(x).pow(2).mean()
+            running = running + loss  # meant for logging, but keeps every step's graph alive
+            opt.zero_grad()
+            running.backward()
+            opt.step()
     f = of(gw.findings, "backward_twice")
     assert len(f) == 1 and f[0].step == 1, show(gw.findings)
     assert ".item()" in f[0].message or "detach" in f[0].message
@@ -707,9 +713,8 @@ def test_loss_computed_under_no_grad_is_no_grad_graph_and_reraised_unchanged() -
         opt.step()
 
     expected = reference_error(step)
-    with pytest.raises(RuntimeError) as raised:
-        with watch(model, opt) as gw:
-            step()
+    with pytest.raises(RuntimeError) as raised, watch(model, opt) as gw:
+        step()
     assert str(raised.value) == str(expected)
     f = of(gw.findings, "no_grad_graph")
     assert len(f) == 1 and f[0].step == 0, show(gw.findings)
@@ -721,12 +726,14 @@ def test_unreduced_loss_is_nonscalar_backward_with_the_fix() -> None:
     model = MLP(depth=3, width=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     criterion = nn.MSELoss(reduction="none")
-    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
-        with watch(model, opt) as gw:
-            loss = criterion(model(torch.randn(8, 8)), torch.zeros(8, 1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    with (
+        pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"),
+        watch(model, opt) as gw,
+    ):
+        loss = criterion(model(torch.randn(8, 8)), torch.zeros(8, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     f = of(gw.findings, "nonscalar_backward")
     assert len(f) == 1 and f[0].step == 0, show(gw.findings)
     assert ".mean()" in f[0].message and ".sum()" in f[0].message
@@ -750,10 +757,12 @@ def test_batchnorm_last_batch_of_one_error_passes_through_without_a_finding() ->
     model = Wide()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.randn(17, 8)
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training") as raised:
-        with watch(model, opt) as gw:
-            for x in data.split(8):  # 8, 8, then a last batch of 1
-                plain_step(model, opt, x)
+    with (
+        pytest.raises(ValueError, match="Expected more than 1 value per channel when training") as raised,
+        watch(model, opt) as gw,
+    ):
+        for x in data.split(8):  # 8, 8, then a last batch of 1
+            plain_step(model, opt, x)
     assert type(raised.value) is ValueError
     assert problems(gw.findings) == [], show(gw.findings)
     assert gw.closed
@@ -846,9 +855,7 @@ def test_nan_in_an_early_micro_batch_of_a_long_accumulation_is_localized() -> No
                 opt.zero_grad()
     assert [f.step for f in of(gw.findings, "nonfinite_grad")] == [1], show(gw.findings)
     origin = of(gw.findings, "nan_origin")
-    assert origin and (origin[0].step, origin[0].op, origin[0].module) == (1, "LogBackward0", "head"), show(
-        gw.findings
-    )
+    assert origin and (origin[0].step, origin[0].op, origin[0].module) == (1, "LogBackward0", "head"), show(gw.findings)
 
 
 # https://github.com/facebookresearch/detectron2/issues/1120 ("if flag: loss += output(x)")
@@ -1334,8 +1341,13 @@ def test_ddp_unused_parameter_is_named_before_the_reduction_error(tmp_path: Any)
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), port, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in (0, 1)
     ]
     logs = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from gradwatch import Finding, GradWatchError, GradWatchInternalWarning
 pytest.importorskip("lightning.pytorch")
 pytest.importorskip("pytorch_lightning")
 
-from gradwatch.lightning import GradWatchCallback  # noqa: E402
+from gradwatch.lightning import GradWatchCallback
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 NONFINITE = ("nonfinite_grad", "nonfinite_loss")
@@ -53,10 +54,13 @@ def callback(**config: Any) -> GradWatchCallback:
 
 
 def show(findings: list[Finding]) -> str:
-    return "\n".join(
-        f"  {f.kind}@{f.step} [{f.severity}] op={f.op} module={f.module} params={list(f.params[:4])}"
-        for f in findings
-    ) or "  (no findings)"
+    return (
+        "\n".join(
+            f"  {f.kind}@{f.step} [{f.severity}] op={f.op} module={f.module} params={list(f.params[:4])}"
+            for f in findings
+        )
+        or "  (no findings)"
+    )
 
 
 def of(findings: list[Finding], kind: str) -> list[Finding]:
@@ -68,16 +72,16 @@ def problems(findings: list[Finding]) -> list[Finding]:
 
 
 def trainer(ns: Any, cb: Any, **kwargs: Any) -> Any:
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-    )
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 8,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": False,
+        "num_sanity_val_steps": 0,
+    }
     options.update(kwargs)
     return ns.Trainer(callbacks=cb if isinstance(cb, list) else [cb], **options)
 
@@ -244,7 +248,7 @@ class Classifier(Snapshots):
         target = y.long().squeeze(1)
         if self.hand_log:  # a focal-loss style log(softmax) written by hand
             p = torch.softmax(logits, dim=-1).gather(1, target[:, None]).squeeze(1)
-            return (-(1 - p) ** 2 * torch.log(p)).mean()
+            return (-((1 - p) ** 2) * torch.log(p)).mean()
         return F.cross_entropy(logits, target)
 
     def configure_optimizers(self) -> Any:
@@ -603,7 +607,7 @@ class NanInMicroBatch(Classifier):
             x = x * 1e4  # the second micro-batch of the second accumulation window
         target = y.long().squeeze(1)
         p = torch.softmax(self(x), dim=-1).gather(1, target[:, None]).squeeze(1)
-        return (-(1 - p) ** 2 * torch.log(p)).mean()
+        return (-((1 - p) ** 2) * torch.log(p)).mean()
 
 
 # https://github.com/Lightning-AI/pytorch-lightning/issues/19987
@@ -620,3 +624,46 @@ def test_nan_in_one_micro_batch_under_accumulate_grad_batches_is_localized() -> 
     assert {f.step for f in cb.findings if f.kind in NONFINITE} == {1}, show(cb.findings)
     origin = of(cb.findings, "nan_origin")
     assert origin and (origin[0].step, origin[0].op) == (1, "LogBackward0"), show(cb.findings)
+
+
+class ManualGANWithNaN(GANModule):
+    """Non-saturating generator loss written as -log(D(G(z))); one batch drives D(G(z)) to exactly 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[str] = []
+
+    def on_fit_start(self) -> None:
+        for name, opt in zip(("G", "D"), self.optimizers()):
+            opt.optimizer.register_step_post_hook(lambda *_args, _n=name: self.applied.append(_n))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.generator(torch.randn(real.shape[0], 4))
+        p_fake = torch.sigmoid(self.discriminator(fake))
+        if batch_idx == 2:
+            p_fake = p_fake * 0.0  # the discriminator is certain: D(G(z)) == 0
+        g_loss = -torch.log(p_fake).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        d_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), torch.ones(real.shape[0], 1))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/6282
+def test_manual_gan_nan_is_named_and_the_replay_steps_no_optimizer() -> None:
+    ns = ns_of("lightning.pytorch")
+    cb = callback()
+    model = build(ns, ManualGANWithNaN)
+    trainer(ns, cb, max_steps=10).fit(model)  # 5 batches, 2 optimizer steps each
+    assert {f.step for f in cb.findings if f.kind in NONFINITE} == {4}, show(cb.findings)
+    origin = of(cb.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (4, "LogBackward0"), show(cb.findings)
+    assert model.applied == ["G", "D"] * 5  # optimizer.step() ran once per call in training_step, no more
+    for name, before in model.snaps[4].items():
+        if name.startswith("generator."):
+            assert torch.equal(before, model.snaps[6][name]), f"{name} changed over the skipped step"
