@@ -289,6 +289,10 @@ class Escalation:
             # The statistics are one step old and that step's inputs are gone: watch the next steps.
             self._open_window(stats.step)
             return []
+        if not stats.is_nonfinite:
+            # Only another rank saw it: a local replay has nothing to find here, and under sharded
+            # parameters it would run collectives on this rank alone.
+            return []
         out: list[Finding] = []
         if self._handled == (stats.step, self._mark):
             return out  # a second optimizer of the same step: the first one's findings name the origin
