@@ -1187,6 +1187,7 @@ def train_with_an_empty_sequence() -> tuple[gradwatch.Watcher, bool]:
     return gw, kept
 
 
+# https://github.com/pytorch/pytorch/issues/40932
 def test_fully_padded_sequence_in_multihead_attention_names_the_attention_module() -> None:
     gw, kept = train_with_an_empty_sequence()
     assert {f.kind for f in gw.findings if f.step == 3} >= {"nonfinite_loss", "nan_origin"}, show(gw.findings)
