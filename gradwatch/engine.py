@@ -210,7 +210,7 @@ class Engine:
         return tuple(len(g["params"]) for g in opt.param_groups)
 
     def _refresh_index(self) -> bool:
-        changed = self._params_dirty
+        changed = self._params_dirty or self.index.unheld_trainable_changed()
         for i, o in enumerate(self.optimizers):
             sig = self._signature(o)
             if sig != self._group_signature[i]:
@@ -278,16 +278,19 @@ class Engine:
         gnames: list[str] = []
         gmods: list[str | None] = []
         none: list[str] = []
-        for p, n, m in zip(op.params, op.names, op.modules):
-            g = p.grad
-            if g is None:
-                if p.requires_grad:
-                    none.append(n)
-            else:
-                grads.append(g)
-                gparams.append(p)
-                gnames.append(n)
-                gmods.append(m)
+        every_grad = [p.grad for p in op.params]
+        if all(g is not None for g in every_grad):  # the usual step: no per-parameter branching
+            grads, gparams, gnames, gmods = every_grad, list(op.params), list(op.names), list(op.modules)
+        else:
+            for p, n, m, g in zip(op.params, op.names, op.modules, every_grad):
+                if g is None:
+                    if p.requires_grad:
+                        none.append(n)
+                else:
+                    grads.append(g)
+                    gparams.append(p)
+                    gnames.append(n)
+                    gmods.append(m)
         stats = StepStats(
             step=step,
             optimizer_index=opt_index,

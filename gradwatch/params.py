@@ -6,10 +6,14 @@ in, a parameter re-registered), which global registration hooks tell us without 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass
@@ -110,6 +114,11 @@ class ParamIndex:
         self.not_in_optimizer: tuple[str, ...] = tuple(
             n for n, p in self.model_params if p.requires_grad and id(p) not in held
         )
+        # Model parameters no optimizer holds: if one of them becomes trainable later (a backbone
+        # unfrozen after warm-up), ``not_in_optimizer`` must be re-checked. Counting requires_grad over
+        # this list is the only per-step cost, and the list is empty when the optimizer holds everything.
+        self.unheld: list[torch.Tensor] = [p for _, p in self.model_params if id(p) not in held]
+        self.unheld_trainable = len(self.not_in_optimizer)
         # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
         # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
         self._alive = [p for _, p in self.model_params]
@@ -137,6 +146,12 @@ class ParamIndex:
                     modules.append(self.param_module[id(p)])
                 names.append(name)
         return OptimizerParams(index, optimizer, params, names, modules, foreign)
+
+    def unheld_trainable_changed(self) -> bool:
+        """Whether the number of trainable parameters outside every optimizer changed (cheap)."""
+        if not self.unheld:
+            return False
+        return sum(map(_REQUIRES_GRAD, self.unheld)) != self.unheld_trainable
 
     def name_of(self, p: torch.Tensor) -> str | None:
         return self.param_name.get(id(p))

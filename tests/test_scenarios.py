@@ -859,12 +859,6 @@ def test_nan_in_an_early_micro_batch_of_a_long_accumulation_is_localized() -> No
 
 
 # https://github.com/facebookresearch/detectron2/issues/1120 ("if flag: loss += output(x)")
-@pytest.mark.xfail(
-    strict=True,
-    reason="none_grad is re-reported whenever the set changes, so a branch used every other step gives a "
-    "finding every other step (checks/none_grad.py compares with the last reported set only, and "
-    "history.reported is overwritten by the empty set in between)",
-)
 def test_auxiliary_branch_used_every_other_step_is_reported_once() -> None:
     class WithAux(nn.Module):
         def __init__(self) -> None:
@@ -946,11 +940,6 @@ def test_frozen_backbone_with_optimizer_over_all_parameters_is_silent() -> None:
 
 
 # https://github.com/JIA-Lab-research/PFENet/issues/10
-@pytest.mark.xfail(
-    strict=True,
-    reason="not_in_optimizer is recomputed only when parameters are registered or param groups change "
-    "(engine._refresh_index / params.ParamIndex.rebuild); requires_grad flipped to True later is never seen",
-)
 def test_unfrozen_backbone_missing_from_the_optimizer_is_reported_when_it_becomes_trainable() -> None:
     model = FineTune()
     model.backbone.requires_grad_(False)

@@ -30,7 +30,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "their initial values (a classic after swapping a head or building layers lazily "
                     "after the optimizer).\n"
                     "Fix: create the optimizer after the model is complete (after the first forward for "
-                    "lazy layers), or add them with optimizer.add_param_group({'params': [...]}); if they "
+                    "lazy layers), or add them with optimizer.add_param_group({'params': [...]}) (also "
+                    "when unfreezing layers the optimizer was built without); if they "
                     "should not train, call requires_grad_(False) on them; if another optimizer updates "
                     "them, watch it too: gradwatch.watch(model, [opt_a, opt_b])."
                 ),
