@@ -108,6 +108,8 @@ class Engine:
         self.extensions: list[Any] = []
         #: Added to every finding's ``data`` (e.g. ``{"rank": 1}`` in a distributed run).
         self.finding_tags: dict[str, Any] = {}
+        #: Called with every loss tensor given to :meth:`observe_loss`, before it is detached (O(1) each).
+        self.loss_observers: list[Any] = []
         self._losses: list[torch.Tensor] = []
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
@@ -228,6 +230,8 @@ class Engine:
             if loss.numel() == 0 or loss.is_meta:
                 return  # no value to read: an empty batch, or a model on the meta device
             self._losses.append(loss.detach())
+            for observe in self.loss_observers:
+                observe(loss)
         elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
             self._losses.append(torch.tensor(float(loss)))
         else:

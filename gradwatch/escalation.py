@@ -4,7 +4,11 @@ The ladder, as an engine extension (:class:`Escalation`, attached by ``default_e
 
 1. Cheap mode, every step: the engine's fused checks. The only cost here is a forward pre-hook and a
    forward hook on the root model that keep *references* to the step's inputs and to the gradient
-   arriving at the model's output (no copies, no per-module hooks, no anomaly mode).
+   arriving at the model's output, and a reference to each loss given to ``observe_loss`` (no copies,
+   no per-module hooks, no anomaly mode, no sync). Under gradient accumulation every forward call of the
+   step is kept (at most ``MAX_CALLS``); the output gradients of the ``MAX_GRADS`` most recent ones are
+   held, older ones are folded into their sum (one reduction per micro-batch, a 0-dim tensor, non-finite
+   exactly when the gradient was), and their losses are detached so their graphs can go.
 2. On a non-finite loss or gradient (``on_incident``, before the update, under every policy):
    ``nonfinite_input`` when the captured batch itself holds NaN/Inf (the data is the cause, nothing
    to localize in the model).
@@ -13,14 +17,32 @@ The ladder, as an engine extension (:class:`Escalation`, attached by ``default_e
    ``SqrtBackward0``), the module and the source line where the first non-finite value was born, with a
    per-layer table of gradient norm and NaN/Inf counts. The replay leaves no trace: parameter ``.grad``
    is untouched (``torch.autograd.grad``), module buffers (BatchNorm running statistics) and the RNG
-   state are restored.
+   state are restored. With several micro-batches, the one replayed is the one that went non-finite:
+   first those whose output gradient or loss was non-finite (read now, on the incident only), else the
+   first whose plain replay turns non-finite (a NaN born inside the model's backward leaves both
+   finite). When the NaN/Inf came from the loss code outside the model, the finding says so
+   (``phase="loss"``) and lists the loss code's ops that can make one (``loss_ops``): backward has freed
+   the values they saw, so which one did is named only if it recurs in the window (step 4).
 4. The next ``escalate_steps`` optimizer steps run escalated: anomaly mode on (forward tracebacks;
    gradwatch checks NaN *and* Inf itself, so anomaly mode never stops the run) and the localizer recording
-   the real forward and backward. ``engine.escalated`` is True meanwhile.
+   the real forward and backward. A loss given to ``observe_loss`` before its backward also gets the
+   localizer's hooks on the loss code between the model's outputs and the loss, so a NaN/Inf born there
+   is named with its op (``LogBackward0``) and line. ``engine.escalated`` is True meanwhile.
 5. The policy acts (the engine). 6. An incident report goes to ``log_dir/incidents/step_<N>.md``/``.json``
    (and ``.pt`` with ``save_batch=True``). 7. When the window ends, anomaly mode is put back as it was.
 
 ``escalate=False`` turns all of it off: no hooks, no replay, no anomaly mode, no extra findings.
+
+Memory: until the optimizer step, the references keep alive what the user's loop would otherwise free
+one micro-batch at a time: the inputs of every forward call of the step (up to ``MAX_CALLS``), the
+output gradients of the last ``MAX_GRADS`` calls (each the size of the model's output: for a language
+model the logits), and the autograd nodes of those calls' graphs (not their saved activations, which
+backward frees). Pass ``escalate=False`` when even that is too much.
+
+Lightning: the replay runs ``training_step`` again on the captured batch (under accumulation, on up to
+``MAX_REPLAYS`` batches of the cycle, those with a non-finite loss first). Logging, ``manual_backward``,
+optimizer and scheduler steps are neutralized for it, but any other Python state the user's
+``training_step`` changes (a counter on ``self``, a list it appends to) moves once more per replay.
 
 Finding kinds:
 
@@ -45,7 +67,7 @@ import functools
 import math
 import re
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -57,25 +79,69 @@ from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
 from gradwatch.report import internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 
-#: Forward calls of one step kept for replay (gradient accumulation runs several).
-MAX_CALLS = 4
+#: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
+MAX_CALLS = 64
+#: Of those, the most recent calls whose output gradients are held for a faithful replay; older calls
+#: keep only whether their output gradient was finite.
+MAX_GRADS = 4
+#: Localizing replays per incident at most (suspect micro-batches first).
+MAX_REPLAYS = 8
 #: Incident reports written per run at most (a run that stays non-finite would write one per step).
 MAX_REPORTS = 20
 
 
 class _Call:
-    """One forward call of the watched model: references to its inputs and to its output gradients."""
+    """One forward call of the watched model: references to its inputs, its output gradients, its losses.
 
-    __slots__ = ("args", "kwargs", "autocast", "grads", "__weakref__")
+    ``nodes`` are the autograd nodes of its outputs (where the loss code begins) and ``losses`` the losses
+    observed after it (``observe_loss``). Once folded (:meth:`fold`, when newer calls arrive) it holds no
+    output gradient, node or graph any more, only ``sums``: each output gradient's sum, a 0-dim device
+    tensor that is non-finite exactly when the gradient was (read on an incident only).
+    """
+
+    __slots__ = ("args", "kwargs", "autocast", "grads", "sums", "nodes", "losses", "held", "__weakref__")
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
         self.args = args
         self.kwargs = kwargs
         self.autocast = autocast
         self.grads: dict[int, torch.Tensor] = {}
+        self.sums: list[torch.Tensor] = []
+        self.nodes: tuple[Any, ...] = ()
+        self.losses: list[torch.Tensor] = []
+        self.held = True
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
-        self.grads[index] = grad
+        if self.held:
+            self.grads[index] = grad
+        else:
+            self.sums.append(_finiteness_sum(grad))
+
+    def fold(self) -> None:
+        """Release the output gradients and the graph, keep what says whether they were finite."""
+        if not self.held:
+            return
+        self.held = False
+        self.sums += [_finiteness_sum(g) for g in self.grads.values() if isinstance(g, torch.Tensor)]
+        self.grads = {}
+        self.nodes = ()
+        self.losses = [l.detach() for l in self.losses]
+
+    def suspect(self) -> torch.Tensor | None:
+        """Device flag (no sync): False when its output gradient or its loss held NaN/Inf."""
+        parts = [g for g in self.grads.values() if isinstance(g, torch.Tensor)] + self.sums + self.losses
+        return _all_finite(parts)
+
+
+def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
+    """One reduction, no temporary: the sum is non-finite iff an element is (accumulated in float32 so that
+    large fp16 gradients, e.g. scaled by a GradScaler, do not overflow it)."""
+    with torch.no_grad():
+        if grad.is_complex():
+            grad = torch.view_as_real(grad)
+        if grad.is_floating_point() and grad.dtype != torch.float64:
+            return grad.sum(dtype=torch.float32)
+        return grad.sum()
 
 
 class _Batch:
@@ -86,6 +152,8 @@ class _Batch:
         self.batch_idx = batch_idx
         self.trainer = trainer
         self.pl_module = pl_module
+        #: The (detached) losses observed for this batch, read on an incident only.
+        self.losses: list[torch.Tensor] = []
 
 
 class Escalation:
@@ -121,7 +189,8 @@ class Escalation:
         self._hooks: list[Any] = []
         self._window_hooks: list[Any] = []
         self._calls: list[_Call] = []
-        self._batch: _Batch | None = None
+        self._batches: list[_Batch] = []
+        self._culprit: Any = None
         self._mark = -1
         self._handled: tuple[int, int] | None = None
         self._replaying = False
@@ -147,7 +216,12 @@ class Escalation:
         engine.escalated = False
         engine.replaying = False
         self.model = engine.model if isinstance(engine.model, nn.Module) else None
-        if not engine.config.escalate or self.model is None or self.integration != "plain":
+        if not engine.config.escalate or self.model is None:
+            return
+        observers = getattr(engine, "loss_observers", None)
+        if observers is not None:
+            observers.append(self._on_loss)
+        if self.integration != "plain":
             return
         self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._on_forward_end, with_kwargs=True))
@@ -165,6 +239,8 @@ class Escalation:
             return None  # this step is not checked: keep nothing
         calls = self._calls
         calls.append(_Call(args, kwargs, _autocast_state()))
+        if len(calls) > MAX_GRADS:
+            calls[-MAX_GRADS - 1].fold()
         if len(calls) > MAX_CALLS:
             del calls[0]
         if self._window_left > 0:
@@ -178,11 +254,39 @@ class Escalation:
         if isinstance(output, torch.Tensor):
             if output.requires_grad:
                 output.register_hook(functools.partial(call.set_grad, 0))
+                call.nodes = (output.grad_fn,)
             return None
+        nodes = []
         for i, t in enumerate(tree_leaves(output)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(call.set_grad, i))
+                nodes.append(t.grad_fn)
+        call.nodes = tuple(nodes)
         return None
+
+    def _on_loss(self, loss: torch.Tensor) -> None:
+        """``observe_loss`` (before backward in the documented loop): O(1) outside an escalation window."""
+        if self._replaying:
+            return
+        try:
+            if self.integration == "lightning":
+                if self._batches and len(self._batches[-1].losses) < MAX_CALLS:
+                    self._batches[-1].losses.append(loss.detach())
+                return
+            if loss.grad_fn is None or not self._calls:
+                return
+            call = self._calls[-1]
+            if len(call.losses) < MAX_GRADS:
+                # A reference (the graph's nodes, not its activations, which backward frees): says which
+                # micro-batch went non-finite and names the loss code's ops on an incident.
+                call.losses.append(loss if call.held else loss.detach())
+            live = self._live
+            if live is not None and self._live_used:
+                # Escalated: the loss code's backward nodes get the localizer's hooks too, so a NaN born
+                # between the model's output and the loss is named with its op and line.
+                live.hook_graph([loss], outside=True)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("Escalation.observe_loss", exc, owner=self.engine)
 
     def _new_step(self) -> None:
         self._calls.clear()
@@ -195,13 +299,23 @@ class Escalation:
         escalation window, switch anomaly mode on (the Trainer overrides it when set any earlier)."""
         if not self.active:
             return
-        self._batch = _Batch(batch, batch_idx, trainer, pl_module)
+        self.capture_batch(batch, batch_idx, trainer, pl_module)
         if self._window_left > 0:
             self._anomaly_on()
 
     def capture_batch(self, batch: Any, batch_idx: int, trainer: Any = None, pl_module: Any = None) -> None:
-        """Keep a reference to a Lightning batch for replay (``training_step(batch, batch_idx)``)."""
-        self._batch = _Batch(batch, batch_idx, trainer, pl_module if pl_module is not None else self.model)
+        """Keep a reference to a Lightning batch for replay (``training_step(batch, batch_idx)``).
+
+        Every batch of the current accumulation cycle is kept (at most ``MAX_CALLS``): the replay picks
+        the one whose loss was non-finite.
+        """
+        mark = sum(self.engine.step_counts) if self.engine is not None else self._mark
+        if mark != self._mark:  # an optimizer step happened since: a new accumulation cycle
+            self._mark = mark
+            self._batches = []
+        self._batches.append(_Batch(batch, batch_idx, trainer, pl_module if pl_module is not None else self.model))
+        if len(self._batches) > MAX_CALLS:
+            del self._batches[0]
 
     # -- escalation window -------------------------------------------------------------------------
     def _anomaly_on(self) -> None:
@@ -266,7 +380,7 @@ class Escalation:
         if stats.optimizer_index == len(self.engine.step_counts) - 1:
             # Release the step's inputs and output gradients as soon as no optimizer needs them.
             self._new_step()
-            self._batch = None
+            self._batches = []
         if self._window_left > 0 and stats.optimizer_index == 0 and stats.step != self._window_start:
             self._window_left -= 1
             if self._window_left <= 0:
@@ -278,7 +392,10 @@ class Escalation:
             h.remove()
         self._hooks = []
         self._calls = []
-        self._batch = None
+        self._batches = []
+        observers = getattr(self.engine, "loss_observers", None)
+        if observers is not None and self._on_loss in observers:
+            observers.remove(self._on_loss)
 
     # -- the incident ------------------------------------------------------------------------------
     def on_incident(self, stats: Any, findings: list[Finding]) -> list[Finding]:
@@ -297,6 +414,7 @@ class Escalation:
         if self._handled == (stats.step, self._mark):
             return out  # a second optimizer of the same step: the first one's findings name the origin
         self._handled = (stats.step, self._mark)
+        self._culprit = None
         layers = layer_table(stats)
         origin_finding: Finding | None = None
         result: _Result | None = None
@@ -340,8 +458,39 @@ class Escalation:
 
     def _source(self) -> list[Any]:
         if self.integration == "lightning":
-            return [self._batch] if self._batch is not None else []
+            return list(self._batches)
         return list(self._calls)
+
+    def _replay_order(self) -> Iterator[Any]:
+        """The step's calls (batches) to replay, those that saw the non-finite value first (lazily: the
+        caller stops at the first that localizes it).
+
+        Plain loop: calls whose output gradient or loss was non-finite (at most ``MAX_REPLAYS``), then the
+        first other call whose plain, unlocalized replay turns non-finite (a NaN born inside the model
+        leaves the output gradient finite). Lightning: batches whose loss was non-finite, then the others
+        (``training_step`` is the only way to replay them), at most ``MAX_REPLAYS`` in all.
+        """
+        sources = self._source()
+        if len(sources) <= 1:
+            yield from sources
+            return
+        if self.integration == "lightning":
+            flags = [_all_finite(b.losses) for b in sources]
+            first = [b for b, bad in zip(sources, _nonfinite_flags(flags)) if bad]
+            rest = [b for b in sources if all(b is not f for f in first)]
+            yield from (first + rest)[:MAX_REPLAYS]
+            return
+        went_bad = _nonfinite_flags([c.suspect() for c in sources])
+        suspects = [c for c, bad in zip(sources, went_bad) if bad][:MAX_REPLAYS]
+        yield from suspects
+        try:
+            for call in sources:
+                if not any(call is c for c in suspects) and self._screen_call(call):
+                    yield call
+                    return
+        except Exception as exc:  # noqa: BLE001 - a failed screening: replay the held calls as they are
+            internal_warning("Escalation.replay", exc, owner=self.engine)
+            yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
     def _nonfinite_inputs(self) -> list[tuple[str, int, int]]:
         named: list[tuple[str, torch.Tensor]] = []
@@ -390,7 +539,7 @@ class Escalation:
             result = _Result(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
             if loc.origin is not None or (upstream_bad and loc.forward_finite):
                 return result
-        for src in self._source():
+        for src in self._replay_order():
             try:
                 if isinstance(src, _Batch):
                     result = self._replay_lightning(src)
@@ -400,20 +549,86 @@ class Escalation:
                 internal_warning("Escalation.replay", exc, owner=self.engine)
                 continue
             if result.loc.origin is not None or result.upstream_bad or not result.loc.forward_finite:
+                self._culprit = src
+                if result.loc.origin is None and result.upstream_bad and result.loc.forward_finite:
+                    result.loss_ops = self._loss_ops()
                 return result
         return None
 
+    def _loss_ops(self) -> list[str]:
+        """Backward nodes of the loss code (between the model's outputs and the observed losses) whose op
+        can turn finite values into NaN/Inf (log, sqrt, division, fractional pow, exp...).
+
+        Read after the backward, when the nodes no longer hold their saved values: which of them produced
+        the value cannot be told here, only that they are there. Empty when the walk does not end at the
+        model's outputs (then it would name the model's own ops).
+        """
+        stops = {n for c in self._calls for n in c.nodes if n is not None}
+        roots = [l.grad_fn for c in self._calls for l in c.losses if l.grad_fn is not None]
+        if not roots or not stops:
+            return []
+        seen: set[Any] = set()
+        frontier: list[Any] = list(roots)
+        reached = False
+        names: list[str] = []
+        while frontier:
+            node = frontier.pop()
+            if node is None or node in seen:
+                continue
+            if node in stops:
+                reached = True
+                continue
+            seen.add(node)
+            if len(seen) > 512:
+                return []
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            if _can_turn_nonfinite(node):
+                names.append(node.name())
+            frontier.extend(nxt for nxt, _ in node.next_functions)
+        return names if reached else []
+
     def _upstream_state(self, call: _Call | None = None) -> tuple[bool, bool]:
-        """(non-finite, available) for the gradient that reached the model's outputs."""
+        """(non-finite, available) for the gradient that reached the model's outputs.
+
+        ``available``: the gradients themselves are held (calls folded long ago only kept a flag).
+        """
         calls = [call] if call is not None else self._calls
         grads = [g for c in calls for g in c.grads.values() if isinstance(g, torch.Tensor)]
+        sums = [v for c in calls for v in c.sums]
+        bad = bool(_nonfinite_flags([_all_finite(sums)])[0]) if sums else False
         if not grads:
-            return False, False
+            return bad, False
         v = summarize([g for g in grads if g.is_floating_point() or g.is_complex()])
         if v is None:
-            return False, True
+            return bad, True
         nan, inf = v[:2].tolist()
-        return bool(nan or inf), True
+        return bool(nan or inf or bad), True
+
+    def _screen_call(self, call: _Call) -> bool:
+        """Replay one call's forward and backward without localizing: does it turn non-finite?"""
+        model = self._replay_model()
+        _bad, available = self._upstream_state(call)
+        with _preserved(model), self._replay_guard(), torch.enable_grad(), _autocast(call.autocast):
+            args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+            output = model(*args, **kwargs)
+            leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            checks = [torch.isfinite(t).all() for t in leaves if t.is_floating_point() or t.is_complex()]
+            outs = [
+                (i, t) for i, t in enumerate(tree_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            targets, grad_outputs = [], []
+            for i, t in outs:
+                g = call.grads.get(i) if available else None
+                if available and (g is None or g.shape != t.shape):
+                    continue
+                targets.append(t)
+                grad_outputs.append(g if g is not None else torch.ones_like(t))
+            wrt = [p for p in model.parameters() if p.requires_grad]
+            if targets and wrt:
+                grads = torch.autograd.grad(targets, wrt, grad_outputs, allow_unused=True)
+                checks += [torch.isfinite(g).all() for g in grads if g is not None]
+            return any(_nonfinite_flags(checks))
 
     def _replay_model(self) -> nn.Module:
         model = self.model
@@ -451,7 +666,7 @@ class Escalation:
                     targets.append(t)
                     grad_outputs.append(g if g is not None else torch.ones_like(t))
                 surrogate = not use_real
-                wrt = [p for p in model.parameters() if p.requires_grad]
+                wrt: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
                 wrt += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if targets and wrt:
                     try:
@@ -496,9 +711,7 @@ class Escalation:
                 wrt = [p for p in pl_module.parameters() if p.requires_grad]
                 if losses and wrt:
                     try:
-                        torch.autograd.grad(
-                            losses, wrt, [torch.ones_like(l) for l in losses], allow_unused=True
-                        )
+                        torch.autograd.grad(losses, wrt, [torch.ones_like(l) for l in losses], allow_unused=True)
                     except RuntimeError as exc:
                         anomaly_error = str(exc)
             traceback = _anomaly_traceback(caught)
@@ -506,8 +719,15 @@ class Escalation:
             result = loc.resolve()
         finally:
             loc.close()
-        return _Result(result, replayed=True, surrogate=False, upstream_bad=False,
-                       anomaly_error=anomaly_error, anomaly_traceback=traceback, lightning=True)
+        return _Result(
+            result,
+            replayed=True,
+            surrogate=False,
+            upstream_bad=False,
+            anomaly_error=anomaly_error,
+            anomaly_traceback=traceback,
+            lightning=True,
+        )
 
     @contextlib.contextmanager
     def _replay_guard(self) -> Iterator[None]:
@@ -545,10 +765,13 @@ class Escalation:
         inputs = None
         if save:
             src = self._source()
-            if self.integration == "lightning" and src:
-                inputs = {"batch": src[0].batch, "batch_idx": src[0].batch_idx}
-            elif src:
-                inputs = {"args": src[-1].args, "kwargs": src[-1].kwargs}
+            culprit = next((s for s in src if s is self._culprit), src[-1] if src else None)
+            if isinstance(culprit, _Batch):
+                inputs = {"batch": culprit.batch, "batch_idx": culprit.batch_idx}
+                if len(src) > 1:
+                    inputs["batches"] = [{"batch": b.batch, "batch_idx": b.batch_idx} for b in src]
+            elif culprit is not None:
+                inputs = {"args": culprit.args, "kwargs": culprit.kwargs}
                 if len(src) > 1:
                     inputs["calls"] = [{"args": c.args, "kwargs": c.kwargs} for c in src]
         traceback = None
@@ -592,6 +815,47 @@ class _Result:
         self.anomaly_error = anomaly_error
         self.anomaly_traceback = anomaly_traceback
         self.lightning = lightning
+        #: Loss-code ops that can produce NaN/Inf, when the NaN/Inf came from the loss (see ``_loss_ops``).
+        self.loss_ops: list[str] = []
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One device flag: every element of ``tensors`` is finite (None for no tensors). No sync."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    if not flags:
+        return None
+    device = flags[0].device
+    return torch.stack([f.to(device) for f in flags]).all()
+
+
+def _nonfinite_flags(flags: Sequence[torch.Tensor | None]) -> list[bool]:
+    """For each "all finite" device flag (None: unknown), whether it says non-finite. One read per device."""
+    out = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        if f is not None:
+            by_device.setdefault(f.device, []).append(i)
+    for idx in by_device.values():
+        values = torch.stack([flags[i].reshape(()) for i in idx]).tolist()  # type: ignore[union-attr]
+        for i, v in zip(idx, values):
+            out[i] = not v
+    return out
+
+
+def _can_turn_nonfinite(node: Any) -> bool:
+    """Whether a backward node's op can make NaN/Inf from finite inputs (the ops ``fix_for`` knows, softmax
+    aside: it needs an Inf input)."""
+    base = re.sub(r"Backward\d*$", "", node.name().rsplit("::", 1)[-1])
+    if not any(base in names for names, _fix in _FIXES if "Softmax" not in names):
+        return False
+    if base == "Pow":
+        try:
+            exponent = node._saved_exponent  # a number for x ** p; still readable after the backward
+        except Exception:  # noqa: BLE001 - a tensor exponent, released
+            return True
+        if isinstance(exponent, (int, float)) and float(exponent).is_integer() and exponent >= 0:
+            return False  # x ** 2: finite wherever x is
+    return True
 
 
 # -- state that a replay must not change ------------------------------------------------------------
@@ -631,7 +895,7 @@ def _replay_input(v: Any) -> Any:
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...] | None:
-    state = None
+    state: tuple[tuple[str, torch.dtype], ...] | None = None
     for device in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device):
             state = (state or ()) + ((device, torch.get_autocast_dtype(device)),)
@@ -791,9 +1055,10 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
             "a zero std, a broken augmentation); filter or impute bad samples, and assert "
             "torch.isfinite(x).all() in the data pipeline while debugging."
         ),
-        data={"inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad], "table": [
-            {"input": n, "nan": a, "inf": b} for n, a, b in bad
-        ]},
+        data={
+            "inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
+            "table": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
+        },
     )
 
 
@@ -813,7 +1078,9 @@ def _poisoned_finding(
     else:
         what = f"The weights themselves hold NaN/Inf at step {step}: {names_text(names)}"
         if policy == "warn":
-            why = "An earlier non-finite update was applied (on_nonfinite='warn'), so every later step is non-finite too."
+            why = (
+                "An earlier non-finite update was applied (on_nonfinite='warn'), so every later step is non-finite too."
+            )
         else:
             why = (
                 "They became non-finite before this step (loaded from a checkpoint, written outside the "
@@ -862,8 +1129,7 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
     ),
     (
         ("Acos", "Asin", "Atanh", "Erfinv", "Acosh"),
-        "the derivative is infinite at the edge of the domain: clamp the input, e.g. "
-        "x.clamp(-1 + 1e-6, 1 - 1e-6).",
+        "the derivative is infinite at the edge of the domain: clamp the input, e.g. x.clamp(-1 + 1e-6, 1 - 1e-6).",
     ),
     (
         ("Softmax", "LogSoftmax"),
@@ -923,13 +1189,23 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     }
     how = "a replay of the step" if result.replayed else "the escalated step itself"
     if origin is None and result.upstream_bad and loc.forward_finite:
-        data.update(phase="loss", op=None, module=None)
+        data.update(phase="loss", op=None, module=None, loss_ops=list(result.loss_ops))
+        suspects = ""
+        if result.loss_ops:
+            counts = {name: result.loss_ops.count(name) for name in dict.fromkeys(result.loss_ops)}
+            listed = ", ".join(f"{n} ({c} calls)" if c > 1 else n for n, c in counts.items())
+            suspects = (
+                f" The loss code between the model's output and the loss runs {listed}: ops that turn finite "
+                "values into NaN/Inf at the edge of their domain. Which of them did cannot be told after the "
+                "backward (it frees the values they saw); if it recurs in the next (escalated) steps, the op "
+                "is named with its line."
+            )
         message = (
             f"The model's forward pass was finite at step {step}, but the gradient arriving at its output "
             "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
-            "the model (seen in " + how + ").\nFix: look at the loss function: log of a 0 probability "
-            "(use log_softmax / cross_entropy on logits), division by a zero count or norm, sqrt at 0, or a "
-            "NaN/Inf target."
+            "the model (seen in " + how + ")." + suspects + "\nFix: look at the loss function: log of a 0 "
+            "probability (use log_softmax / cross_entropy on logits, or clamp the probability), division by "
+            "a zero count or norm, sqrt at 0, or a NaN/Inf target."
         )
         return Finding(kind="nan_origin", step=step, severity="error", message=message, data=data)
     if origin is None:
@@ -937,12 +1213,18 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         message = (
             f"gradwatch could not reproduce where the non-finite value of step {step} was born ({how}: "
             f"{loc.ops_recorded} forward ops and {loc.nodes_recorded} backward nodes were all finite"
-            + (", replayed with a gradient of ones because the real upstream gradient was not available" if result.surrogate else "")
+            + (
+                ", replayed with a gradient of ones because the real upstream gradient was not available"
+                if result.surrogate
+                else ""
+            )
             + "). It may come from outside the watched model, from randomness in the step (dropout), or "
             "from a custom autograd Function.\nFix: see the per-layer table; the next "
             "steps run with anomaly mode on."
         )
-        return Finding(kind="nan_origin", step=step, severity="warning", message=message, module=loc.first_module, data=data)
+        return Finding(
+            kind="nan_origin", step=step, severity="warning", message=message, module=loc.first_module, data=data
+        )
     module = origin.module
     where_module = module if module is not None else ("training_step" if result.lightning else "outside any module")
     data.update(
@@ -962,7 +1244,22 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     if origin.source:
         line = f"\n    {origin.source}" + (f"\n      {origin.code}" if origin.code else "")
     inc = origin.incoming
-    if origin.phase == "forward":
+    fwd_op = f" ({origin.forward_op})" if origin.forward_op else ""
+    if origin.phase == "loss":
+        received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
+        fwd = ""
+        if "forward_min_abs" in inc:
+            fwd = (
+                " Its forward inputs: "
+                + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")})
+                + "."
+            )
+        what = (
+            f"Born in the loss computation of step {step}, outside the model (its forward pass was finite): "
+            f"op {origin.op}{fwd_op} in {where_module if module is not None else 'the loss code'}{line}\n"
+            f"It received {received} and produced {produced}.{fwd}"
+        )
+    elif origin.phase == "forward":
         inputs = "It had no tensor inputs"
         if inc.get("inf"):
             inputs = f"Its inputs held Inf but no NaN ({_range(inc)})"
@@ -981,10 +1278,14 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
         fwd = ""
         if "forward_min_abs" in inc:
-            fwd = " Its forward inputs: " + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")}) + "."
+            fwd = (
+                " Its forward inputs: "
+                + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")})
+                + "."
+            )
         what = (
-            f"Born in the backward pass of step {step} (the forward pass was finite): op {origin.op} "
-            f"({origin.forward_op}) in module {where_module}{line}\n"
+            f"Born in the backward pass of step {step} (the forward pass was finite): op {origin.op}"
+            f"{fwd_op} in module {where_module}{line}\n"
             f"It received {received} and produced {produced}.{fwd}"
         )
     if result.surrogate and origin.phase == "backward":
@@ -1002,4 +1303,3 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
 
 
 __all__ = ["Escalation", "layer_table", "fix_for", "MAX_CALLS", "MAX_REPORTS"]
-

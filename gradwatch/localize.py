@@ -8,7 +8,11 @@ steady-state steps. While it records:
   a stack kept by forward pre/post hooks on every submodule) and which line of the user's code called it;
 - forward hooks note, per module, whether its output was finite and the magnitudes of its inputs;
 - node hooks on the autograd graph note, per backward node in execution order, whether the gradient it
-  received was finite and the one it produced not (Inf included, unlike anomaly mode).
+  received was finite and the one it produced not (Inf included, unlike anomaly mode);
+- node hooks on the loss code between the model's outputs and the loss (:meth:`Localizer.hook_graph` with
+  ``outside=True``, before that backward runs) do the same for the ops the model did not run, and also
+  check the forward inputs each such node saved: an op whose forward inputs were already non-finite
+  (a NaN target) only passed a NaN on. Their source line comes from anomaly mode's forward traceback.
 
 Every check is queued as a device tensor; :meth:`Localizer.resolve` reads them all back at once and
 returns a :class:`Localization`.
@@ -75,8 +79,9 @@ class Origin:
     """The op where a non-finite value was born.
 
     Attributes:
-        phase: ``"forward"`` (an op's output went non-finite from finite inputs) or ``"backward"`` (a
-            backward node produced a non-finite gradient from a finite one).
+        phase: ``"forward"`` (an op's output went non-finite from finite inputs), ``"backward"`` (a
+            backward node produced a non-finite gradient from a finite one) or ``"loss"`` (such a backward
+            node of the loss code outside the model, hooked with ``hook_graph(..., outside=True)``).
         op: Autograd node name, e.g. ``"LogBackward0"`` (the forward function when no graph was built).
         forward_op: The torch function that ran in the forward pass, e.g. ``"torch.log"``.
         module: Qualified name of the innermost module that ran it (``"<root>"`` for the root module,
@@ -294,6 +299,8 @@ class Localizer:
         self._nodes: list[Any] = []
         self._node_sites: list[Site | None] = []
         self._fired: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+        self._outside: set[int] = set()
+        self._saved_inputs: dict[int, torch.Tensor | None] = {}
         self._stack = []
 
     def install_module_hooks(self) -> None:
@@ -390,8 +397,13 @@ class Localizer:
         self._ops.append((site, node, _has_nonfinite_scalar(args, kwargs), before, summarize(outs), aten))
 
     # -- backward ----------------------------------------------------------------------------------
-    def hook_graph(self, outputs: Iterable[torch.Tensor]) -> int:
-        """Put a post hook on every backward node reachable from ``outputs``; returns how many."""
+    def hook_graph(self, outputs: Iterable[torch.Tensor], *, outside: bool = False) -> int:
+        """Put a post hook on every backward node reachable from ``outputs``; returns how many.
+
+        Nodes hooked before (the model's own graph) are not walked again, so after the model's outputs
+        were hooked, ``hook_graph([loss], outside=True)`` reaches only the loss code between them and the
+        loss. Call it before that backward runs: its nodes still hold their saved forward inputs then.
+        """
         seen: set[Any] = set(self._nodes)
         frontier: list[tuple[Any, Site | None]] = []
         for t in outputs:
@@ -405,10 +417,15 @@ class Localizer:
             seen.add(node)
             if type(node).__name__ == "AccumulateGrad":
                 continue
-            site = self._node_site.get(node, inherited)
+            if outside:
+                site = self._node_site.get(node) or _traceback_site(node, self._skip)
+            else:
+                site = self._node_site.get(node, inherited)
             index = len(self._nodes)
             self._nodes.append(node)
             self._node_sites.append(site)
+            if outside:
+                self._outside.add(index)
             self._node_handles.append(node.register_hook(functools.partial(self._on_node, index)))
             added += 1
             for nxt, _ in node.next_functions:
@@ -421,6 +438,9 @@ class Localizer:
             produced = summarize(_float_tensors([g for g in grad_inputs if g is not None]))
             incoming = summarize(_float_tensors([g for g in grad_outputs if g is not None]))
             self._fired.append((index, incoming, produced))
+            if index in self._outside and index not in self._saved_inputs:
+                # Still held here: a node releases its saved tensors only after its post hooks ran.
+                self._saved_inputs[index] = summarize(_saved_inputs(self._nodes[index]))
         except Exception:  # noqa: BLE001
             pass
 
@@ -436,12 +456,15 @@ class Localizer:
             vectors += [ins, outs]
         for _i, incoming, produced in self._fired:
             vectors += [incoming, produced]
+        saved_keys = list(self._saved_inputs)
+        vectors += [self._saved_inputs[k] for k in saved_keys]
         values = _read(vectors)
         it = iter(values)
         ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a, _r in self._ops]
         aten = [(name, intent, next(it), next(it)) for name, intent, _b, _a in self._aten]
         mods = [(label, next(it), next(it)) for label, _i, _o in self._modules]
         fired = [(i, next(it), next(it)) for i, _a, _b in self._fired]
+        saved = {k: next(it) for k in saved_keys}
 
         loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
         loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
@@ -467,6 +490,8 @@ class Localizer:
                     _refine(origin, node, aten[start + inner])
         if origin is None:
             forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
+            for index, summary in saved.items():
+                forward_inputs.setdefault(self._nodes[index], summary)
             origin = self._backward_origin(fired, forward_inputs)
         loc.origin = origin
         for label, ins, outs in mods:
@@ -489,15 +514,18 @@ class Localizer:
             node = self._nodes[index]
             site = self._node_sites[index]
             fwd = forward_inputs.get(node)
+            outside = index in self._outside
+            if outside and fwd is not None and _bad(fwd):
+                continue  # its forward inputs were already non-finite (a NaN target): passed on, not born
             inc: dict[str, float] = {}
             if incoming is not None:
                 inc = {"min_abs": incoming[2], "max_abs": incoming[3]}
             if fwd is not None:
                 inc.update(forward_min_abs=fwd[2], forward_max_abs=fwd[3], forward_min=fwd[4], forward_max=fwd[5])
             return Origin(
-                phase="backward",
+                phase="loss" if outside else "backward",
                 op=node.name(),
-                forward_op=site.func if site else None,
+                forward_op=(site.func or None) if site else None,
                 module=site.module if site else None,
                 source=site.source if site else None,
                 code=site.code if site else None,
@@ -506,6 +534,46 @@ class Localizer:
                 traceback=_traceback(node),
             )
         return None
+
+
+def _saved_inputs(node: Any) -> list[torch.Tensor]:
+    """The forward inputs a backward node saved (``_saved_self``, ``_saved_other``...), not its result."""
+    out: list[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_") or name.startswith("_saved_result"):
+            continue
+        try:
+            v = getattr(node, name)
+        except Exception:  # noqa: BLE001, S112 - released, or not a tensor attribute
+            continue
+        if isinstance(v, (list, tuple)):
+            out += [t for t in v if isinstance(t, torch.Tensor)]
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return _float_tensors(out)
+
+
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _traceback_site(node: Any, skip: tuple[str, ...]) -> Site | None:
+    """Where a node's forward op ran, from anomaly mode's forward traceback (the last frame of user code)."""
+    try:
+        tb = node.metadata.get("traceback_")
+    except Exception:  # noqa: BLE001
+        return None
+    if not tb:
+        return None
+    frames = tb if isinstance(tb, list) else str(tb).split("\n  File")
+    for frame in reversed(frames):
+        m = _FRAME.match(frame if frame.lstrip().startswith("File") else "  File" + frame)
+        if m is None:
+            continue
+        filename = m.group("file")
+        if filename.startswith(skip) or filename.startswith("<frozen"):
+            continue
+        return Site("", None, filename, int(m.group("line")), m.group("func"))
+    return None
 
 
 def _bad(v: list[float]) -> bool:

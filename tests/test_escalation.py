@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.escalation import Escalation
+from gradwatch.escalation import MAX_GRADS, Escalation
 
 BAD_STEP = 2
 
@@ -154,15 +155,55 @@ def test_raise_carries_op_and_module_in_error() -> None:
     assert not torch.is_anomaly_enabled()
 
 
-def test_nan_born_in_loss_is_attributed_to_loss() -> None:
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return torch.log(out - out.detach()).mean()  # log(0) in the loss, the model itself is finite
+def log_of_zero(out: torch.Tensor) -> torch.Tensor:
+    return torch.log(out - out.detach()).mean()  # log(0) in the loss, the model itself is finite
 
-    gw = train(Net("log"), "log", bad_step=(), loss_fn=loss_fn, on_nonfinite="skip")
+
+def test_nan_born_in_loss_is_attributed_to_loss() -> None:
+    gw = train(Net("log"), "log", bad_step=(), loss_fn=log_of_zero, on_nonfinite="skip")
     first = origins(gw)[0]
     assert first.step == 0
     assert first.data["phase"] == "loss"
     assert "loss computation" in first.message
+
+
+def test_nan_born_in_loss_code_recurring_in_window_is_named_with_its_line() -> None:
+    gw = train(Net("log"), "log", steps=2, bad_step=(), loss_fn=log_of_zero, on_nonfinite="skip")
+    second = origins(gw)[1]
+    assert (second.step, second.op, second.module) == (1, "LogBackward0", None)
+    assert (second.data["phase"], second.data["replayed"]) == ("loss", False)
+    assert (
+        second.data["code"]
+        == "return torch.log(out - out.detach()).mean()  # log(0) in the loss, the model itself is finite"
+    )
+    assert second.data["incoming"]["forward_min_abs"] == 0.0  # log evaluated at 0
+    assert "Born in the loss computation of step 1, outside the model" in second.message
+
+
+def test_first_loss_step_lists_the_loss_ops_that_can_turn_nonfinite() -> None:
+    gw = train(Net("log"), "log", steps=1, bad_step=(), loss_fn=log_of_zero, on_nonfinite="skip")
+    first = origins(gw)[0]
+    assert (first.step, first.op, first.data["phase"]) == (0, None, "loss")
+    assert first.data["loss_ops"] == ["LogBackward0"]
+    assert "the loss runs LogBackward0:" in first.message
+
+
+def test_loss_ops_leave_out_integer_powers() -> None:
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out * float("inf")).pow(2).mean()  # Inf from a constant; x ** 2 cannot make one
+
+    gw = train(Net("log"), "log", steps=1, bad_step=(), loss_fn=loss_fn, on_nonfinite="skip")
+    assert origins(gw)[0].data["loss_ops"] == []
+
+
+def test_nan_target_is_not_blamed_on_a_loss_op() -> None:
+    target = torch.full((8, 1), float("nan"))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).mean()  # the NaN comes with the target: no op made it
+
+    gw = train(Net("log"), "log", steps=2, bad_step=(), loss_fn=loss_fn, on_nonfinite="skip")
+    assert [(f.step, f.op, f.data["phase"]) for f in origins(gw)] == [(0, None, "loss"), (1, None, "loss")]
 
 
 # -- the layer table and the data ----------------------------------------------------------------------
@@ -341,6 +382,54 @@ def test_bad_micro_batch_found_under_gradient_accumulation() -> None:
                 (model(x).pow(2).mean() / 4).backward()
             opt.step()
     assert [(f.step, f.op, f.module) for f in origins(gw)] == [(1, "SqrtBackward0", "encoder.distance")]
+
+
+def accumulate(
+    model: nn.Module, kind: str, bad_micro: int, micro: int = 8, loss_fn: Any = None, **config: Any
+) -> tuple[gradwatch.Watcher, list[list[bool]]]:
+    """Two steps of ``micro`` micro-batches; micro-batch ``bad_micro`` of step 1 is the bad one.
+
+    Also returns, per step, which micro-batches' output gradients were still alive at ``opt.step()``.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alive: list[list[bool]] = []
+    config.setdefault("console", False)
+    with gradwatch.watch(model, opt, on_nonfinite="skip", **config) as gw:
+        for step in range(2):
+            opt.zero_grad()
+            refs: list[Any] = []
+            for m in range(micro):
+                bad_input = 100 + bad_micro if loss_fn is None else ()  # a bad loss: the model stays finite
+                out = model(batch(step * 100 + m, kind, bad_step=bad_input))
+                out.register_hook(lambda g, refs=refs: refs.append(weakref.ref(g)))
+                bad = step == 1 and m == bad_micro
+                loss = loss_fn(out) if loss_fn is not None and bad else out.pow(2).mean()
+                (loss / micro).backward()
+            alive.append([r() is not None for r in refs])
+            opt.step()
+    return gw, alive
+
+
+def test_backward_only_nan_in_an_early_micro_batch_of_a_long_accumulation_is_localized() -> None:
+    gw, _alive = accumulate(Net("sqrt"), "sqrt", bad_micro=0)
+    assert [(f.step, f.op, f.module) for f in origins(gw)] == [(1, "SqrtBackward0", "encoder.distance")]
+
+
+def test_loss_nan_in_an_early_micro_batch_of_a_long_accumulation_is_attributed_to_the_loss() -> None:
+    gw, _alive = accumulate(Net("log"), "log", bad_micro=1, loss_fn=log_of_zero)  # no observe_loss()
+    assert [(f.step, f.data["phase"]) for f in origins(gw)] == [(1, "loss")]
+
+
+def test_long_accumulation_holds_only_the_last_output_gradients() -> None:
+    _gw, alive = accumulate(Net("sqrt"), "sqrt", bad_micro=0)
+    assert alive[0] == [False] * (8 - MAX_GRADS) + [True] * MAX_GRADS
+
+
+def test_saved_batch_of_a_long_accumulation_is_the_micro_batch_that_went_nonfinite(tmp_path: Any) -> None:
+    accumulate(Net("exp"), "exp", bad_micro=2, log_dir=str(tmp_path), save_batch=True)
+    blob = torch.load(tmp_path / "incidents" / "step_1.pt")
+    assert torch.equal(blob["args"][0], batch(102, "exp", bad_step=102))
+    assert len(blob["calls"]) == 8
 
 
 def test_two_optimizers_one_origin_finding_per_step() -> None:

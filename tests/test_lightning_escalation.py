@@ -155,3 +155,11 @@ def test_incident_report_written(tmp_path: Any) -> None:
     assert (origin["op"], origin["module"]) == ("ExpBackward0", "encoder.gate")
     blob = torch.load(base.with_suffix(".pt"))
     assert blob["batch_idx"] == BAD_STEP and torch.equal(blob["batch"], batch(BAD_STEP, "exp"))
+
+
+def test_backward_only_nan_in_one_micro_batch_under_accumulation_is_localized() -> None:
+    module = SourceModule("sqrt", steps=8)  # batch BAD_STEP is the third micro-batch of the first step
+    cb = GradWatchCallback(console=False, on_nonfinite="skip")
+    tiny_trainer(ns, [cb], max_steps=2, accumulate_grad_batches=4).fit(module)
+    assert [(f.step, f.op, f.module) for f in origins(cb)] == [(0, "SqrtBackward0", "encoder.distance")]
+    assert module.log_calls == 8  # replaying the step's earlier micro-batches logged nothing

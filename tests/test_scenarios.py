@@ -312,12 +312,6 @@ def test_hand_written_bce_on_saturated_sigmoid_is_attributed_to_the_loss() -> No
 
 
 # https://github.com/pytorch/pytorch/issues/24933
-@pytest.mark.xfail(
-    strict=True,
-    reason="nan_origin for a NaN born in the loss code outside the model keeps op=None even when it recurs "
-    "inside the escalation window with observe_loss(): the localizer only records ops run inside the "
-    "watched model's forward (escalation.py _origin_finding, phase='loss')",
-)
 def test_hand_written_bce_recurring_in_the_escalation_window_names_the_log() -> None:
     gw = train_detector_with_hand_written_bce()
     at3 = [f for f in of(gw.findings, "nan_origin") if f.step == 3]
@@ -835,12 +829,6 @@ def test_gradient_accumulation_without_zero_grad_after_step_is_reported() -> Non
 
 
 # https://github.com/karpathy/nanoGPT/issues/605 (nanoGPT accumulates 40 micro-batches per step)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the plain-loop replay keeps only the last MAX_CALLS=4 forward calls of a step "
-    "(escalation.py MAX_CALLS / _calls); with 8 micro-batches the NaN one is gone, the replay is finite and "
-    "no nan_origin is emitted on the step (nor later: the batch does not recur)",
-)
 def test_nan_in_an_early_micro_batch_of_a_long_accumulation_is_localized() -> None:
     model = SoftmaxClassifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -611,12 +611,6 @@ class NanInMicroBatch(Classifier):
 
 
 # https://github.com/Lightning-AI/pytorch-lightning/issues/19987
-@pytest.mark.xfail(
-    strict=True,
-    reason="with accumulate_grad_batches the Lightning replay only has the last micro-batch "
-    "(escalation.py lightning_batch_start keeps one _Batch), so a NaN born in an earlier micro-batch is not "
-    "reproduced and no nan_origin is emitted",
-)
 def test_nan_in_one_micro_batch_under_accumulate_grad_batches_is_localized() -> None:
     ns = ns_of("lightning.pytorch")
     cb = callback()
