@@ -38,15 +38,16 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gradwatch  # noqa: E402
+import gradwatch
 
 TARGETS = {
     # (workload, variant) -> maximum median ratio to bare
@@ -152,8 +153,8 @@ class Variant:
     step: Callable[[], None]
     close: Callable[[], None] = lambda: None
     note: str = ""
-    check_after: Callable[[], str | None] = lambda: None  # e.g. "escalation window did not end"
-    times: list[float] = field(default_factory=list)
+    check_after: Callable[[], str | None] = lambda: None  # e.g. findings on a healthy run
+    watcher: Any = None
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, *, before_step: Callable[[], None] | None = None,
@@ -207,49 +208,38 @@ def _gradwatch(wl: Workload, name: str, tmp: str, **config: Any) -> Variant:
             return f"findings on a healthy run: {', '.join(kinds)}"
         return None
 
-    return Variant(name, _watched_step(model, opt, wl, gw), close=gw.close, check_after=check_quiet)
+    return Variant(name, _watched_step(model, opt, wl, gw), close=gw.close, check_after=check_quiet, watcher=gw)
 
 
 def _escalated(wl: Workload, name: str, tmp: str) -> Variant | str:
-    """gradwatch with its escalation window held open (reference only)."""
+    """gradwatch with its escalation window held open (reference only: escalation follows an incident)."""
     try:
-        from gradwatch import escalation  # noqa: F401
+        from gradwatch.escalation import Escalation
     except ImportError:
         return "escalation is not available in this version of gradwatch"
     v = _gradwatch(wl, name, tmp)
-    gw_close = v.close
-    engine = _engine_of(v)
-    ext = next((e for e in engine.extensions if type(e).__module__ == "gradwatch.escalation"), None)
-    if ext is None:
-        return "no escalation extension attached"
-    force = getattr(ext, "force", None) or getattr(ext, "escalate", None) or getattr(ext, "start", None)
-    if force is None:
-        return "the escalation extension offers no way to open its window on demand"
+    engine = v.watcher.engine
+    ext = next((e for e in engine.extensions if isinstance(e, Escalation)), None)
+    open_window = getattr(ext, "_open_window", None)
+    if ext is None or open_window is None:
+        return "no escalation extension with a window to open"
+    # The window must close by itself after escalate_steps optimizer steps.
+    open_window(engine.step_counts[0])
+    for _ in range(engine.config.escalate_steps + 1):
+        v.step()
+    if engine.escalated:
+        v.note = f"window still open after {engine.config.escalate_steps + 1} steps"
+        return v
     inner = v.step
 
     def step() -> None:
-        if not getattr(ext, "active", True):
-            _call_force(force, engine)
+        if not engine.escalated:
+            open_window(engine.step_counts[0])
         inner()
 
     v.step = step
-    v.close = gw_close
-    v.note = "window re-opened whenever it closes"
+    v.note = f"window re-opened whenever it closes; it closed by itself after {engine.config.escalate_steps} steps"
     return v
-
-
-def _call_force(force: Callable[..., Any], engine: Any) -> None:
-    step = engine.step_counts[0]
-    try:
-        force(step)
-    except TypeError:
-        force()
-
-
-def _engine_of(v: Variant) -> Any:
-    closure = v.close
-    watcher = getattr(closure, "__self__", None)
-    return watcher.engine
 
 
 def _per_param_loop(wl: Workload, name: str, tmp: str) -> Variant:
@@ -294,9 +284,8 @@ def _nan_hooks(wl: Workload, name: str, tmp: str) -> Variant:
     def hook(module: nn.Module, inputs: Any, output: Any) -> None:
         outs = output if isinstance(output, (tuple, list)) else (output,)
         for o in outs:
-            if isinstance(o, torch.Tensor) and o.is_floating_point():
-                if not torch.isfinite(o).all():
-                    raise FloatingPointError(f"non-finite output in {type(module).__name__}")
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and not torch.isfinite(o).all():
+                raise FloatingPointError(f"non-finite output in {type(module).__name__}")
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]
 
@@ -393,7 +382,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return math.nan
     pos = q * (len(sorted_values) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
@@ -669,8 +658,10 @@ def machine_facts(threads: int) -> list[str]:
         pl_version = "not installed"
     return [
         f"- machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, lightning {pl_version}, "
-        f"gradwatch {getattr(gradwatch, '__version__', '?')}",
+        (
+            f"- Python {platform.python_version()}, torch {torch.__version__}, lightning {pl_version}, "
+            f"gradwatch {getattr(gradwatch, '__version__', '?')}"
+        ),
         f"- torch threads: {threads} (`torch.set_num_threads({threads})`)",
         f"- load average at start (1, 5, 15 min): {load}",
     ]

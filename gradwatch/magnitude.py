@@ -41,7 +41,8 @@ MAD_TO_STD = 1.4826
 
 def median(values: Iterable[float]) -> float:
     """Median of finite values (``nan`` for none)."""
-    v = sorted(x for x in values if math.isfinite(x))
+    isfinite = math.isfinite
+    v = sorted([x for x in values if isfinite(x)])
     if not v:
         return math.nan
     n = len(v)
@@ -50,16 +51,18 @@ def median(values: Iterable[float]) -> float:
 
 def robust_spread(values: Iterable[float]) -> tuple[float, float]:
     """``(median, spread)`` where spread is the MAD scaled to a standard deviation."""
-    v = [x for x in values if math.isfinite(x)]
+    isfinite = math.isfinite
+    v = [x for x in values if isfinite(x)]
     m = median(v)
     if not v:
         return math.nan, math.nan
-    return m, MAD_TO_STD * median(abs(x - m) for x in v)
+    return m, MAD_TO_STD * median([abs(x - m) for x in v])
 
 
 def quantile(values: Iterable[float], q: float) -> float:
     """Nearest-rank quantile of finite values (``nan`` for none)."""
-    v = sorted(x for x in values if math.isfinite(x))
+    isfinite = math.isfinite
+    v = sorted([x for x in values if isfinite(x)])
     if not v:
         return math.nan
     return v[min(len(v) - 1, max(0, int(round(q * (len(v) - 1)))))]

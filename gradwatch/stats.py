@@ -159,11 +159,13 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     grads = local_shards(grads)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     odd: list[int] = []
+    strided = torch.strided
     for i, g in enumerate(grads):
         if g.is_meta:
             continue
-        if g.layout is torch.strided and g.is_floating_point() and _HAS_FOREACH_NORM:
-            groups[(g.device, g.dtype)].append(i)
+        dtype = g.dtype  # ``dtype.is_floating_point`` is an attribute: cheaper than a method call per step
+        if g.layout is strided and dtype.is_floating_point and _HAS_FOREACH_NORM:
+            groups[(g.device, dtype)].append(i)
         else:
             odd.append(i)
     slots: list[tuple[int, list[int]]] = []

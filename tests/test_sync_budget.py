@@ -114,17 +114,16 @@ def run_counted(steps: int, tmp_path: Any, nan_at: int | None = None, **config: 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counter = SyncCounter()
-    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet(), **config) as gw:
-        with counter:
-            for i, (x, y) in enumerate(batches(steps)):
-                counter.next_step()
-                loss = nn.functional.mse_loss(model(x), y)
-                if i == nan_at:
-                    loss = loss * float("nan")
-                gw.observe_loss(loss)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet(), **config) as gw, counter:
+        for i, (x, y) in enumerate(batches(steps)):
+            counter.next_step()
+            loss = nn.functional.mse_loss(model(x), y)
+            if i == nan_at:
+                loss = loss * float("nan")
+            gw.observe_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return counter, gw
 
 

@@ -42,19 +42,14 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     i = stats.optimizer_index
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     recent = history.total_norms.get(i, ())
-    m, spread = robust_spread(math.log(v) for v in recent if v > 0)
+    logs = [math.log(v) for v in recent if v > 0]
+    m = median(logs)
     total = stats.total_norm
     params = param_norms_of(stats, history)
     param_total = math.sqrt(sum(v * v for v in params.values())) if params else None
     excess = math.log(total) - m if total > 0 and math.isfinite(total) and math.isfinite(m) else None
-    # The layer that jumped most against its own recent median (or the largest one without history).
-    jumps: dict[str, float] = {}
-    past = history.layer_norms.get(i, {})
-    for name, v in layers.items():
-        med = median(past.get(name, ()))
-        if math.isfinite(med) and med > 0:
-            jumps[name] = v / med
-    where = max(jumps, key=lambda k: jumps[k]) if jumps else (max(layers, key=lambda k: layers[k]) if layers else None)
+    # A spike needs excess > SPREADS * spread >= 0: below the median the spread cannot matter.
+    spread = robust_spread(logs)[1] if excess is not None and excess > 0 else 0.0
     return {
         "total": total,
         "layers": layers,
@@ -64,9 +59,22 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "excess": excess,
         "spread": spread if math.isfinite(spread) else 0.0,
         "param_total": param_total,
-        "where": where,
-        "jump": jumps.get(where) if where is not None else None,
     }
+
+
+def _locate(stats: StepStats, history: History, layers: dict[str, float]) -> tuple[str | None, float | None]:
+    """The layer that jumped most against its own recent median (or the largest one without history).
+
+    Only needed for a finding: per-layer medians are too costly to compute on every healthy step.
+    """
+    jumps: dict[str, float] = {}
+    past = history.layer_norms.get(stats.optimizer_index, {})
+    for name, v in layers.items():
+        med = median(past.get(name, ()))
+        if math.isfinite(med) and med > 0:
+            jumps[name] = v / med
+    where = max(jumps, key=lambda k: jumps[k]) if jumps else (max(layers, key=lambda k: layers[k]) if layers else None)
+    return where, (jumps.get(where) if where is not None else None)
 
 
 def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
@@ -97,7 +105,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
     if any(_reasons(f, config) for f in recent):
         return []  # the same episode: reported already
-    return [_finding(stats, facts, reasons, config)]
+    where, jump = _locate(stats, history, facts["layers"])
+    return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
 
 
 def remember(stats: StepStats, history: History) -> None:

@@ -1,7 +1,8 @@
 """TensorBoard reporter: scalars under ``gradwatch/``, findings as text.
 
 Scalars of one step are written as a single event with many values, built on a background thread, so
-the training thread only appends a tuple of floats to a queue. Non-finite values are left out of the
+the training thread only appends a tuple of floats to a list, handed to that thread every
+``HANDOFF_STEPS`` steps (and at every flush and at close). Non-finite values are left out of the
 scalars (they would break charts); the number of non-finite gradients is logged instead.
 """
 
@@ -11,12 +12,15 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from gradwatch.findings import Finding
 from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
 
 _STOP = object()
+#: Steps of scalars handed to the writer thread at once: one wake-up (and GIL hand-over) per batch.
+HANDOFF_STEPS = 16
 
 
 class TensorBoardReporter:
@@ -40,6 +44,8 @@ class TensorBoardReporter:
         self.flush_every = flush_every
         self._events = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: list[tuple[int, dict[str, float], float]] = []
+        self._handoff = max(1, min(HANDOFF_STEPS, flush_every))
         self._thread = threading.Thread(target=self._run, name="gradwatch-tensorboard", daemon=True)
         self._thread.start()
         self._closed = False
@@ -47,7 +53,14 @@ class TensorBoardReporter:
     # -- training thread ---------------------------------------------------------------------------
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self._closed:
-            self._queue.put((step, values))
+            self._pending.append((step, values, time.time()))
+            if len(self._pending) >= self._handoff:
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._queue.put(batch)
 
     def finding(self, finding: Finding) -> None:
         if not self._closed:
@@ -63,6 +76,7 @@ class TensorBoardReporter:
         if self._closed:
             return
         done = threading.Event()
+        self._hand_off()
 
         def _flush(w: Any) -> None:
             try:
@@ -77,6 +91,7 @@ class TensorBoardReporter:
         if self._closed:
             return
         self._closed = True
+        self._hand_off()
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
         try:
@@ -100,7 +115,8 @@ class TensorBoardReporter:
                 if callable(item):
                     item(self.writer)
                 else:
-                    self._write_scalars(*item)
+                    for step, values, walltime in item:
+                        self._write_scalars(step, values, walltime)
             except Exception as exc:  # noqa: BLE001 - the writer thread must survive a full disk
                 try:
                     where = "TensorBoardReporter (writer thread)"
@@ -114,7 +130,7 @@ class TensorBoardReporter:
         if not os.path.isdir(self.log_dir):
             recreate_log_dir(self.log_dir, self._dir_identity)
 
-    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+    def _write_scalars(self, step: int, values: dict[str, float], walltime: float | None = None) -> None:
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
         if not finite:
             return
@@ -123,10 +139,10 @@ class TensorBoardReporter:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in finite.items()])
-            file_writer().add_summary(summary, step)
+            file_writer().add_summary(summary, step, walltime)
         else:  # tensorboardX or another writer: the public path
             for k, v in finite.items():
-                self.writer.add_scalar(k, v, step)
+                self.writer.add_scalar(k, v, step, walltime=walltime)
         self._events += 1
         if self._events % self.flush_every == 0:
             self.writer.flush()
