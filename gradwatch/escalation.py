@@ -8,7 +8,7 @@ The ladder, as an engine extension (:class:`Escalation`, attached by ``default_e
    no per-module hooks, no anomaly mode, no sync). Under gradient accumulation every forward call of the
    step is kept (at most ``MAX_CALLS``); the output gradients of the ``MAX_GRADS`` most recent ones are
    held, older ones are folded into their sum (one reduction per micro-batch, a 0-dim tensor, non-finite
-   exactly when the gradient was), and their losses are detached so their graphs can go.
+   when the gradient was), and their losses are detached so their graphs can go.
 2. On a non-finite loss or gradient (``on_incident``, before the update, under every policy):
    ``nonfinite_input`` when the captured batch itself holds NaN/Inf (the data is the cause, nothing
    to localize in the model).
@@ -96,7 +96,7 @@ class _Call:
     ``nodes`` are the autograd nodes of its outputs (where the loss code begins) and ``losses`` the losses
     observed after it (``observe_loss``). Once folded (:meth:`fold`, when newer calls arrive) it holds no
     output gradient, node or graph any more, only ``sums``: each output gradient's sum, a 0-dim device
-    tensor that is non-finite exactly when the gradient was (read on an incident only).
+    tensor that is non-finite when the gradient was (read on an incident only).
     """
 
     __slots__ = ("args", "kwargs", "autocast", "grads", "sums", "nodes", "losses", "held", "__weakref__")
@@ -134,14 +134,14 @@ class _Call:
 
 
 def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
-    """One reduction, no temporary: the sum is non-finite iff an element is (accumulated in float32 so that
-    large fp16 gradients, e.g. scaled by a GradScaler, do not overflow it)."""
-    with torch.no_grad():
-        if grad.is_complex():
-            grad = torch.view_as_real(grad)
-        if grad.is_floating_point() and grad.dtype != torch.float64:
-            return grad.sum(dtype=torch.float32)
-        return grad.sum()
+    """One reduction, no temporary: the sum is non-finite when an element is, and (short of float32
+    overflow) only then; half-precision gradients, e.g. scaled by a GradScaler, are summed in float32."""
+    grad = grad.detach()  # a gradient taken with create_graph=True must not keep its graph alive here
+    if grad.is_complex():
+        grad = torch.view_as_real(grad)
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return grad.sum(dtype=torch.float32)
+    return grad.sum()
 
 
 class _Batch:

@@ -35,6 +35,7 @@ class SourceModule(ns.LightningModule):  # type: ignore[misc,name-defined]
         self.head = nn.Linear(1 if kind == "sqrt" else 4, 1)
         self.log_calls = 0
         self.step_calls = 0
+        self.training_step_calls = 0
         self.anomaly_seen: list[bool] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,7 @@ class SourceModule(ns.LightningModule):  # type: ignore[misc,name-defined]
         super().log(*args, **kwargs)
 
     def training_step(self, x: torch.Tensor, batch_idx: int) -> Any:
+        self.training_step_calls += 1
         out = self(x)
         if self.loss_log and batch_idx == BAD_STEP:
             loss = torch.log(out - out.detach()).mean()  # log(0) in the loss, outside any module
@@ -163,3 +165,11 @@ def test_backward_only_nan_in_one_micro_batch_under_accumulation_is_localized() 
     tiny_trainer(ns, [cb], max_steps=2, accumulate_grad_batches=4).fit(module)
     assert [(f.step, f.op, f.module) for f in origins(cb)] == [(0, "SqrtBackward0", "encoder.distance")]
     assert module.log_calls == 8  # replaying the step's earlier micro-batches logged nothing
+
+
+def test_under_accumulation_only_the_micro_batch_with_a_nonfinite_loss_is_replayed() -> None:
+    module = SourceModule("log", steps=8)  # log(0) in batch BAD_STEP, the third micro-batch: a NaN loss
+    cb = GradWatchCallback(console=False, on_nonfinite="skip")
+    tiny_trainer(ns, [cb], max_steps=2, accumulate_grad_batches=4).fit(module)
+    assert [(f.step, f.op, f.module) for f in origins(cb)] == [(0, "LogBackward0", "encoder.logscale")]
+    assert module.training_step_calls == 8 + 1  # training_step ran once more, on that batch alone
