@@ -27,9 +27,11 @@ Also small robust-statistics helpers (median, MAD) the magnitude checks share.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
@@ -66,6 +68,31 @@ def quantile(values: Iterable[float], q: float) -> float:
     if not v:
         return math.nan
     return v[min(len(v) - 1, max(0, int(round(q * (len(v) - 1)))))]
+
+
+_T = TypeVar("_T")
+
+
+def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
+    """Compute ``fn(stats, history)`` once per checked step: a check and its ``remember`` share it.
+
+    The engine runs every check and then every ``remember`` on the same statistics before it records
+    them in the history, so what ``fn`` reads does not change in between. The result is reused only for
+    the same statistics object, the same history, and the same last recorded step of that history.
+    """
+    cell: list[tuple[Any, ...]] = [()]
+
+    @functools.wraps(fn)
+    def wrapper(stats: Any, history: Any) -> _T:
+        last = history.last.get(stats.optimizer_index)
+        memo = cell[0]  # one read: another thread may replace it, never half of it
+        if memo and memo[0]() is stats and memo[1]() is history and memo[2] is last:
+            return memo[3]  # type: ignore[no-any-return]
+        value = fn(stats, history)
+        cell[0] = (weakref.ref(stats), weakref.ref(history), last, value)
+        return value
+
+    return wrapper
 
 
 def layer_key(module: str | None) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import median, param_norms_of, remember_param_norms, robust_spread
+from gradwatch.magnitude import median, once_per_check, param_norms_of, remember_param_norms, robust_spread
 from gradwatch.stats import StepStats, layer_norms
 
 #: Checked steps of history the spike test waits for.
@@ -35,6 +35,7 @@ REARM = 10
 _KEY = "exploding"
 
 
+@once_per_check
 def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     """Config-free facts about this step (the check and ``remember`` both use them)."""
     if not stats.names or stats.is_nonfinite:

@@ -18,7 +18,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import quantile, robust_spread
+from gradwatch.magnitude import once_per_check, quantile, robust_spread
 
 #: Losses of history the test waits for.
 MIN_HISTORY = 20
@@ -30,6 +30,7 @@ REARM = 10
 _KEY = "loss_spike"
 
 
+@once_per_check
 def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | None:
     loss = stats.loss
     if loss is None or stats.loss_nonfinite or not math.isfinite(loss) or len(history.losses) < MIN_HISTORY:

@@ -17,7 +17,7 @@ from collections import deque
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
-from gradwatch.magnitude import newly_sustained, param_norms_of, quantile, remember_param_norms
+from gradwatch.magnitude import newly_sustained, once_per_check, param_norms_of, quantile, remember_param_norms
 from gradwatch.stats import StepStats, layer_norms
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
@@ -26,6 +26,7 @@ MIN_LAYERS = 3
 _KEY = "vanishing"
 
 
+@once_per_check
 def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
     if not stats.names or stats.is_nonfinite:
