@@ -93,7 +93,8 @@ def main() -> None:
         f"[{'green' if finite else 'red'}]{finite}[/]"
     )
     for f in gw.findings:
-        console.print(f"  step {f.step:>4}  {f.severity:<7}  {f.kind:<18} {f.where}")
+        where = f.where if len(f.where) < 60 else f"{len(f.params)} parameters"
+        console.print(f"  step {f.step:>4}  {f.severity:<7}  {f.kind:<18} {where}", highlight=False)
     console.print(f"\nOpen the dashboard:  [bold]tensorboard --logdir {args.log_dir}[/bold]")
     console.print(f"Health report:       [bold]gradwatch summary {args.log_dir}[/bold]")
 
