@@ -57,6 +57,8 @@ TARGETS = {
     ("W2", "gradwatch every=10"): 1.01,
     ("W2-Lightning", "gradwatch callback"): 1.03,
 }
+#: Variants whose cost comes every N steps: judged on the total-time ratio (amortized), not the median.
+AMORTIZED = {"gradwatch every=10"}
 OWN_VS_FLOOR = 2.0
 OWN_VS_ADAMW = 0.15
 
@@ -155,6 +157,7 @@ class Variant:
     note: str = ""
     check_after: Callable[[], str | None] = lambda: None  # e.g. findings on a healthy run
     watcher: Any = None
+    end_round: Callable[[], None] = lambda: None  # untimed, after each round (restore global state)
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, *, before_step: Callable[[], None] | None = None,
@@ -238,6 +241,9 @@ def _escalated(wl: Workload, name: str, tmp: str) -> Variant | str:
         inner()
 
     v.step = step
+    # Anomaly mode is process-wide while the window is open: close it between rounds so the variants that
+    # run next are not measured with it.
+    v.end_round = ext._close_window
     v.note = f"window re-opened whenever it closes; it closed by itself after {engine.config.escalate_steps} steps"
     return v
 
@@ -355,6 +361,7 @@ class Row:
     ratio: float
     ratio_lo: float
     ratio_hi: float
+    total_ratio: float
     note: str = ""
 
 
@@ -372,6 +379,7 @@ def summarize(per_round: dict[str, list[float]], bare: str = BARE, notes: dict[s
                 statistics.median(ratios),
                 _quantile(ratios, 0.25),
                 _quantile(ratios, 0.75),
+                sum(ts) / sum(base[: len(ts)]),
                 notes.get(name, ""),
             )
         )
@@ -413,6 +421,7 @@ def run_loop_benchmark(wl: Workload, rounds: int, warmup: int, steps: int, tmp: 
             for _ in range(steps):
                 v.step()
             per_round[v.name].append((time.perf_counter() - t0) / steps)
+            v.end_round()
         if r == 0:
             eta = (time.perf_counter() - t_start) * rounds
             log(f"  {wl.name}: {len(variants)} variants x {rounds} rounds x {steps} steps, ~{eta:.0f} s")
@@ -528,7 +537,7 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
             now = time.perf_counter()
             if self.t_last is not None:
                 self.turn_times.append(now - self.t_last)
-            if self.left == 0:
+            if self.left <= 0:
                 if self.turn_times:
                     self.per_round.append(sum(self.turn_times) / len(self.turn_times))
                 self.turn_times = []
@@ -536,14 +545,11 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
                 self.go.wait()
                 self.go.clear()
                 if self.stop:
-                    trainer.should_stop = True
-                    raise _StopFit()
+                    trainer.should_stop = True  # this last step runs, then the fit ends normally
+                    return
                 now = time.perf_counter()
             self.left -= 1
             self.t_last = now
-
-    class _StopFit(Exception):
-        pass
 
     @dataclass
     class Fit:
@@ -582,8 +588,6 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
             )
             try:
                 trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
-            except _StopFit:
-                pass
             except BaseException as exc:  # noqa: BLE001
                 fit.error = exc
             finally:
@@ -618,10 +622,11 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
                 log(f"  W2-Lightning: {len(fits)} fits x {rounds} rounds x {steps} steps, "
                     f"~{(time.perf_counter() - t_start) * rounds:.0f} s")
         for fit in fits:
-            turn(fit, 0)  # record the last turn
             fit.turns.stop = True
             fit.turns.go.set()
-            fit.thread.join(timeout=60)  # type: ignore[union-attr]
+            fit.thread.join(timeout=120)  # type: ignore[union-attr]
+            if fit.thread.is_alive():  # type: ignore[union-attr]
+                notes.append(f"W2-Lightning / {fit.name}: the fit did not stop")
     for fit in fits:
         if fit.error is not None:
             notes.append(f"W2-Lightning / {fit.name}: failed: {type(fit.error).__name__}: {fit.error}")
@@ -671,14 +676,19 @@ def table(title: str, rows: list[Row], targets: dict[str, float]) -> list[str]:
     lines = [
         f"#### {title}",
         "",
-        "| variant | median step (ms) | median ratio to bare | ratio IQR | target |",
-        "|---|---:|---:|---:|---|",
+        "| variant | median step (ms) | median ratio to bare | ratio IQR | total-time ratio | target |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         tgt = targets.get(r.name)
-        verdict = "" if tgt is None else f"<= {tgt:.2f} {'ok' if r.ratio <= tgt else 'MISSED'}"
+        judged = r.total_ratio if r.name in AMORTIZED else r.ratio
+        which = " (total-time)" if r.name in AMORTIZED else ""
+        verdict = "" if tgt is None else f"<= {tgt:.2f}{which} {'ok' if judged <= tgt else 'MISSED'}"
         name = r.name + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {name} | {r.median_ms:.2f} | {r.ratio:.3f} | {r.ratio_lo:.2f}-{r.ratio_hi:.2f} | {verdict} |")
+        lines.append(
+            f"| {name} | {r.median_ms:.2f} | {r.ratio:.3f} | {r.ratio_lo:.2f}-{r.ratio_hi:.2f} | {r.total_ratio:.3f} "
+            f"| {verdict} |"
+        )
     return lines + [""]
 
 
@@ -698,9 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    rounds = args.rounds or (8 if args.quick else 40)
+    rounds = args.rounds or (8 if args.quick else 30)
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    reps = args.reps or (100 if args.quick else 500)
+    reps = args.reps or (60 if args.quick else 400)
     which = {w.strip() for w in args.workloads.split(",") if w.strip()}
     only = {o.strip() for o in args.only.split(",") if o.strip()} or None
     rng = random.Random(args.seed)
@@ -711,9 +721,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = ["### gradwatch overhead", "", f"Command: `{command.strip()}`", ""] + machine_facts(args.threads) + [""]
     out.append(
-        f"Whole training steps (forward, backward, AdamW step, zero_grad), every variant its own model copy, "
-        f"{rounds} rounds in shuffled order after {warmup} warm-up steps; ratio = per-round step time / "
-        "that round's bare step time, median over rounds (IQR: 25th-75th percentile of the ratios)."
+        "Whole training steps (forward, backward, AdamW step, zero_grad), every variant its own model copy, "
+        f"rounds in shuffled order after {warmup} warm-up steps per variant; ratio = a round's mean step time / "
+        "that round's bare step time, median over rounds (IQR: 25th-75th percentile of the ratios); "
+        "total-time ratio = all of a variant's steps / all of bare's (amortizes work done every N steps)."
     )
     out.append("")
     notes: list[str] = []
@@ -727,14 +738,17 @@ def main(argv: list[str] | None = None) -> int:
             wl = workloads[key]
             log(f"{key}: {wl.description}")
             steps = wl.steps_per_round
-            rows, more = run_loop_benchmark(wl, rounds, warmup, steps, tmp, rng, only, log)
+            wl_rounds = rounds
+            if args.quick and key == "W1" and args.rounds is None:
+                steps, wl_rounds = 5, 3  # rough: the every=10 row needs 10-step rounds to be read exactly
+            rows, more = run_loop_benchmark(wl, wl_rounds, warmup, steps, tmp, rng, only, log)
             results[key] = rows
             notes += more
-            out += table(f"{key}: {wl.description} ({steps} steps per round)",
+            out += table(f"{key}: {wl.description} ({wl_rounds} rounds of {steps} steps)",
                          rows, {n: t for (w, n), t in TARGETS.items() if w == key})
         if "lightning" in which:
             log("W2-Lightning: Trainer.fit")
-            lrounds = max(6, rounds // 2) if args.quick else rounds
+            lrounds = 6 if args.quick and args.rounds is None else rounds
             rows, more = run_lightning(lrounds, 10, 10, args.threads, tmp, rng, log)
             notes += more
             if rows:
