@@ -127,6 +127,18 @@ class _Call:
         self.nodes = ()
         self.losses = [l.detach() for l in self.losses]
 
+    def release(self) -> None:
+        """Drop every reference. The output's gradient hook (held by an autograd node) keeps this object
+        alive, and this object may hold the loss whose graph holds that node: a cycle through C++ that
+        Python's garbage collector cannot see, so it is broken here, by hand, at the end of the step."""
+        self.args = ()
+        self.kwargs = {}
+        self.grads = {}
+        self.sums = []
+        self.nodes = ()
+        self.losses = []
+        self.held = False
+
     def suspect(self) -> torch.Tensor | None:
         """Device flag (no sync): False when its output gradient or its loss held NaN/Inf."""
         parts = [g for g in self.grads.values() if isinstance(g, torch.Tensor)] + self.sums + self.losses
@@ -242,7 +254,7 @@ class Escalation:
         if len(calls) > MAX_GRADS:
             calls[-MAX_GRADS - 1].fold()
         if len(calls) > MAX_CALLS:
-            del calls[0]
+            calls.pop(0).release()
         if self._window_left > 0:
             self._escalated_forward_start()
         return None
@@ -289,6 +301,8 @@ class Escalation:
             internal_warning("Escalation.observe_loss", exc, owner=self.engine)
 
     def _new_step(self) -> None:
+        for call in self._calls:
+            call.release()
         self._calls.clear()
         if self._live is not None:
             self._live.reset()
@@ -391,7 +405,7 @@ class Escalation:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._calls = []
+        self._new_step()
         self._batches = []
         observers = getattr(self.engine, "loss_observers", None)
         if observers is not None and self._on_loss in observers:

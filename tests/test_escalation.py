@@ -498,3 +498,26 @@ def test_fully_masked_attention_row_names_the_softmax_inside_attention() -> None
     assert (first.step, first.module) == (1, "attn")
     assert first.op == "SoftmaxBackward0"
     assert "aten._softmax" in first.data["forward_op"]
+
+
+def test_a_watched_step_keeps_no_output_or_loss_alive_after_it():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    refs = []
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(5):
+            out = model(torch.randn(16, 4))
+            loss = out.pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            refs += [weakref.ref(out), weakref.ref(loss)]
+            del out, loss
+        gc.collect()
+        # the output's gradient hook and the kept loss must not form a cycle through the autograd graph
+        assert [r() is None for r in refs] == [True] * len(refs)
