@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds (< 2 minutes); numbers are rough")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 40; --quick 8)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 30; --quick 4, W1 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per variant first (default 5; --quick 3)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of the standalone measurement")
     ap.add_argument("--workloads", default="W1,W2,lightning,standalone",
@@ -708,9 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    rounds = args.rounds or (8 if args.quick else 30)
-    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    reps = args.reps or (60 if args.quick else 400)
+    rounds = args.rounds or (4 if args.quick else 30)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    reps = args.reps or (40 if args.quick else 400)
     which = {w.strip() for w in args.workloads.split(",") if w.strip()}
     only = {o.strip() for o in args.only.split(",") if o.strip()} or None
     rng = random.Random(args.seed)
@@ -740,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = wl.steps_per_round
             wl_rounds = rounds
             if args.quick and key == "W1" and args.rounds is None:
-                steps, wl_rounds = 5, 3  # rough: the every=10 row needs 10-step rounds to be read exactly
+                steps, wl_rounds = 3, 3  # rough: a first look, not numbers to report
             rows, more = run_loop_benchmark(wl, wl_rounds, warmup, steps, tmp, rng, only, log)
             results[key] = rows
             notes += more
@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
                          rows, {n: t for (w, n), t in TARGETS.items() if w == key})
         if "lightning" in which:
             log("W2-Lightning: Trainer.fit")
-            lrounds = 6 if args.quick and args.rounds is None else rounds
+            lrounds = 4 if args.quick and args.rounds is None else rounds
             rows, more = run_lightning(lrounds, 10, 10, args.threads, tmp, rng, log)
             notes += more
             if rows:
