@@ -1190,6 +1190,19 @@ def _range(m: dict[str, float]) -> str:
     return text
 
 
+def _backward_context(inc: dict[str, Any]) -> tuple[str, str]:
+    """For a backward/loss-phase origin: the gradient it received, and its forward inputs' range."""
+    received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
+    fwd = ""
+    if "forward_min_abs" in inc:
+        fwd = (
+            " Its forward inputs: "
+            + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")})
+            + "."
+        )
+    return received, fwd
+
+
 def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) -> Finding:
     loc = result.loc
     origin = loc.origin
@@ -1260,14 +1273,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     inc = origin.incoming
     fwd_op = f" ({origin.forward_op})" if origin.forward_op else ""
     if origin.phase == "loss":
-        received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
-        fwd = ""
-        if "forward_min_abs" in inc:
-            fwd = (
-                " Its forward inputs: "
-                + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")})
-                + "."
-            )
+        received, fwd = _backward_context(inc)
         what = (
             f"Born in the loss computation of step {step}, outside the model (its forward pass was finite): "
             f"op {origin.op}{fwd_op} in {where_module if module is not None else 'the loss code'}{line}\n"
@@ -1289,14 +1295,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
                 what += f" (inputs {_range(loc.first_module_inputs)})"
             what += "."
     else:
-        received = f"a finite gradient (|g| up to {_fmt(inc['max_abs'])})" if "max_abs" in inc else "a finite gradient"
-        fwd = ""
-        if "forward_min_abs" in inc:
-            fwd = (
-                " Its forward inputs: "
-                + _range({k[len("forward_") :]: v for k, v in inc.items() if k.startswith("forward_")})
-                + "."
-            )
+        received, fwd = _backward_context(inc)
         what = (
             f"Born in the backward pass of step {step} (the forward pass was finite): op {origin.op}"
             f"{fwd_op} in module {where_module}{line}\n"
