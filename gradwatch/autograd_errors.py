@@ -445,8 +445,6 @@ def _inplace_traced(
             + (f" (and {len(mods) - 1} more in-place op(s))" if len(mods) > 1 else "")
             + "."
         )
-    lines.append(_WHY_INPLACE)
-    lines.append("Fix: make the op that changes it out of place. " + _CULPRITS)
     data.update(
         module_exact=True,
         source=source,
@@ -454,15 +452,7 @@ def _inplace_traced(
         modified_in=None if culprit is None else ctx.display_module(culprit.module),
         modified_at=culprit_source,
     )
-    return Finding(
-        kind="inplace_error",
-        step=ctx.step,
-        severity="error",
-        message="\n".join(lines),
-        module=module,
-        op=op,
-        data=data,
-    )
+    return _inplace_finding(ctx, lines, module, op, data)
 
 
 def _inplace_untraced(
@@ -505,14 +495,20 @@ def _inplace_untraced(
         "gradwatch names the exact module and the in-place op on the first watched step and while escalated; "
         "for an exact trace now, run one step under torch.autograd.set_detect_anomaly(True)."
     )
-    lines.append(_WHY_INPLACE)
-    lines.append("Fix: make the op that changes it out of place. " + _CULPRITS)
     data.update(
         module_exact=False,
         follows=None if before is None else ctx.display_module(before[1]),
         feeds=None if feeds is None else ctx.display_module(feeds[1]),
         same_type_modules=by_type,
     )
+    return _inplace_finding(ctx, lines, module, op, data)
+
+
+def _inplace_finding(
+    ctx: _Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any]
+) -> Finding:
+    """The ``inplace_error`` finding: the where-lines given, then why it matters and the usual fixes."""
+    lines = [*lines, _WHY_INPLACE, "Fix: make the op that changes it out of place. " + _CULPRITS]
     return Finding(
         kind="inplace_error",
         step=ctx.step,
