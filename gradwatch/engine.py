@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from gradwatch.stats import (
     SyncBatch,
     count_nonfinite,
     layer_norms,
+    queue_all_norms as _queue_all_norms,
     queue_grad_norms,
     read_grad_norms,
     total_norm,
@@ -40,6 +42,8 @@ from gradwatch.stats import (
 from gradwatch.summary import RunSummary
 
 Decision = Literal["ok", "skip"]
+
+_GRAD = operator.attrgetter("grad")
 
 #: Kinds that the ``on_nonfinite`` policy acts on.
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss")
@@ -118,6 +122,7 @@ class Engine:
         self._suppressed_state: list[tuple[torch.optim.Optimizer, dict[Any, Any]]] = []
         self._pending: tuple[StepStats, SyncBatch, Any] | None = None
         self._norm_samples: list[float] = []
+        self._layer_tags: dict[str, str] = {}
         self._norm_stride = 1
         self._norm_seen = 0
         self._check_modules = _checks.discover()
@@ -282,9 +287,10 @@ class Engine:
         gnames: list[str] = []
         gmods: list[str | None] = []
         none: list[str] = []
-        every_grad = [p.grad for p in op.params]
-        if all(g is not None for g in every_grad):  # the usual step: no per-parameter branching
-            grads, gparams, gnames, gmods = every_grad, list(op.params), list(op.names), list(op.modules)
+        every_grad = list(map(_GRAD, op.params))
+        full = all(g is not None for g in every_grad)  # not ``None in``: that calls Tensor.__eq__
+        if full:  # the usual step: no per-parameter branching (the index's lists are never mutated)
+            grads, gparams, gnames, gmods = every_grad, op.params, op.names, op.modules
         else:
             for p, n, m, g in zip(op.params, op.names, op.modules, every_grad):
                 if g is None:
@@ -308,13 +314,20 @@ class Engine:
         )
         self._first_check[opt_index] = False
         batch = SyncBatch()
-        norm_slots = queue_grad_norms(batch, grads)
+        norm_slots = _queue_all_norms(batch, op, grads) if full else None
+        if norm_slots is None:
+            norm_slots = queue_grad_norms(batch, grads)
         loss_slot = -1
         if self._losses:
-            device = grads[0].device if grads else self._losses[0].device
-            losses = [l.float().mean() for l in self._losses]
-            losses = [l if l.device == device else l.to(device, non_blocking=True) for l in losses]
-            loss_slot = batch.add(torch.stack(losses))
+            losses = self._losses
+            first = losses[0]
+            if len(losses) == 1 and first.dtype is torch.float32 and first.dim() == 0:
+                loss_slot = batch.add(first.reshape(1))  # the usual step: one scalar loss
+            else:
+                device = grads[0].device if grads else first.device
+                losses = [l.float().mean() for l in losses]
+                losses = [l if l.device == device else l.to(device, non_blocking=True) for l in losses]
+                loss_slot = batch.add(torch.stack(losses))
             self._losses = []
         ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self, norm_slots=norm_slots)
         ctx.slots["loss"] = loss_slot
@@ -346,10 +359,11 @@ class Engine:
         values = batch.resolve()  # the step's one device-to-host sync
         norms = read_grad_norms(values, norm_slots, len(stats.names))
         stats.norms = norms
-        stats.total_norm = total_norm(norms)
+        total = stats.total_norm = total_norm(norms)
         if self.config.per_layer:
             stats.layer_norms = layer_norms(stats.modules, norms)
-        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        # The total is finite exactly when every norm is (float64 sums of float32 norms cannot overflow).
+        suspects = [] if math.isfinite(total) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
         if suspects:
             if grads:
                 nan, inf = count_nonfinite(stats.names, grads, suspects)
@@ -456,14 +470,18 @@ class Engine:
         out: dict[str, float] = {}
         if stats.names:
             out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
+        tags = self._layer_tags
         for layer, v in stats.layer_norms.items():
-            out[f"gradwatch/grad_norm/{layer}"] = v
+            tag = tags.get(layer)
+            if tag is None:
+                tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
+            out[tag] = v
         if stats.loss is not None:
             out["gradwatch/loss"] = stats.loss
         out["gradwatch/skipped_steps"] = float(self.steps_skipped)
         out["gradwatch/nonfinite_grads"] = float(len(stats.nonfinite))
         for kind, n in self.kind_counts.items():
-            out[f"gradwatch/findings/{kind}"] = float(n)
+            out["gradwatch/findings/" + kind] = float(n)
         more = stats.extra.get("scalars")
         if isinstance(more, dict):
             out.update(more)

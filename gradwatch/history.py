@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,8 @@ class History:
         window: How many checked steps the rolling windows keep.
         last: The previous checked step's statistics, per optimizer index.
         total_norms: Recent finite total gradient norms, per optimizer index.
-        layer_norms: Recent finite per-layer gradient norms, per optimizer index and layer.
+        layer_steps: The per-layer gradient norms of recent steps (one dict per checked step, newest
+            last), per optimizer index; :meth:`layer_series` reads one layer's values from them.
         losses: Recent finite observed losses.
         reported: Keys of conditions already reported (so a persisting condition is reported once).
         memory: Free-form state for checks that need more than the above, keyed by check name.
@@ -26,7 +28,7 @@ class History:
     window: int = 50
     last: dict[int, StepStats] = field(default_factory=dict)
     total_norms: dict[int, deque[float]] = field(default_factory=dict)
-    layer_norms: dict[int, dict[str, deque[float]]] = field(default_factory=dict)
+    layer_steps: dict[int, deque[dict[str, float]]] = field(default_factory=dict)
     losses: deque[float] = field(default_factory=deque)
     reported: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
@@ -36,28 +38,34 @@ class History:
 
     def record(self, stats: StepStats, *, skipped: bool) -> None:
         """Add a checked step. Non-finite values and skipped steps stay out of the rolling windows."""
-        import math
-
         i = stats.optimizer_index
         self.last[i] = stats
         if skipped or stats.is_nonfinite:
             return
         if stats.names and math.isfinite(stats.total_norm):
             self.total_norms.setdefault(i, deque(maxlen=self.window)).append(stats.total_norm)
-            layers = self.layer_norms.setdefault(i, {})
-            for name, v in stats.layer_norms.items():
-                if math.isfinite(v):
-                    layers.setdefault(name, deque(maxlen=self.window)).append(v)
+            if stats.layer_norms:  # one append per step, not one per layer: this runs on every step
+                self.layer_steps.setdefault(i, deque(maxlen=self.window)).append(stats.layer_norms)
         if stats.loss is not None and math.isfinite(stats.loss):
             if self.losses.maxlen != self.window:
                 self.losses = deque(self.losses, maxlen=self.window)
             self.losses.append(stats.loss)
 
+    def layer_series(self, optimizer_index: int, layer: str) -> list[float]:
+        """One layer's recent finite gradient norms, oldest first."""
+        isfinite = math.isfinite
+        out = []
+        for d in self.layer_steps.get(optimizer_index, ()):
+            v = d.get(layer)
+            if v is not None and isfinite(v):
+                out.append(v)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,
             "total_norms": {k: list(v) for k, v in self.total_norms.items()},
-            "layer_norms": {k: {n: list(d) for n, d in v.items()} for k, v in self.layer_norms.items()},
+            "layer_steps": {k: [dict(d) for d in v] for k, v in self.layer_steps.items()},
             "losses": list(self.losses),
             "reported": dict(self.reported),
         }
@@ -65,8 +73,8 @@ class History:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         w = int(state.get("window", self.window))
         self.total_norms = {int(k): deque(v, maxlen=w) for k, v in state.get("total_norms", {}).items()}
-        self.layer_norms = {
-            int(k): {n: deque(d, maxlen=w) for n, d in v.items()} for k, v in state.get("layer_norms", {}).items()
+        self.layer_steps = {
+            int(k): deque((dict(d) for d in v), maxlen=w) for k, v in state.get("layer_steps", {}).items()
         }
         self.losses = deque(state.get("losses", []), maxlen=w)
         self.reported = dict(state.get("reported", {}))

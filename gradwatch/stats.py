@@ -92,11 +92,13 @@ class SyncBatch:
 
     def add(self, t: torch.Tensor) -> int:
         """Queue a tensor (any shape; read back flattened as float32). Returns its slot."""
-        t = t.detach()
-        if t.is_complex():
-            t = t.abs()
-        self._parts.append(t.reshape(-1).to(torch.float32))
-        self._sizes.append(self._parts[-1].numel())
+        if not (t.dtype is torch.float32 and t.dim() == 1 and not t.requires_grad):  # else already flat
+            t = t.detach()
+            if t.is_complex():
+                t = t.abs()
+            t = t.reshape(-1).to(torch.float32)
+        self._parts.append(t)
+        self._sizes.append(t.numel())
         return len(self._parts) - 1
 
     def part(self, slot: int) -> torch.Tensor:
@@ -183,6 +185,38 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     return slots
 
 
+def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> list[tuple[int, list[int]]] | None:
+    """Fast path of :func:`queue_grad_norms` for the usual step: every gradient of optimizer ``op`` present.
+
+    When the optimizer's parameters share one device and floating dtype (a gradient always has its
+    parameter's), all norms come from one fused call with no per-gradient Python work. Returns None
+    when that does not apply (mixed devices or dtypes, sparse or sharded gradients): use the general path.
+    """
+    plan = getattr(op, "_norm_plan", None)
+    if plan is None or plan[0] is not op.params:
+        params = op.params
+        dtensor_module = sys.modules.get("torch.distributed.tensor")
+        dtensor = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
+        uniform = (
+            _HAS_FOREACH_NORM
+            and bool(params)
+            and len({(p.device, p.dtype) for p in params}) == 1
+            and params[0].dtype.is_floating_point
+            and not params[0].is_meta
+            and not (dtensor is not None and any(isinstance(p, dtensor) for p in params))  # sharded: general path
+        )
+        plan = (params, uniform, list(range(len(params))))
+        op._norm_plan = plan
+    if not plan[1]:
+        return None
+    try:
+        # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True)).
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return [(batch.add(torch.stack(norms)), plan[2])]
+
+
 def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """This process's shards of sharded (DTensor, e.g. FSDP2) gradients; other tensors as they are.
 
@@ -197,6 +231,10 @@ def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]], n: int) -> list[float]:
+    if len(slots) == 1 and len(slots[0][1]) == n and len(values[slots[0][0]]) == n:
+        slot, idx = slots[0]
+        if idx[-1] == n - 1 and idx[0] == 0:  # every gradient in one slot, in order (the fast path)
+            return list(values[slot])
     norms = [0.0] * n
     for slot, idx in slots:
         for pos, i in enumerate(idx):
@@ -211,7 +249,36 @@ def total_norm(norms: list[float]) -> float:
     return math.sqrt(s) if math.isfinite(s) else s
 
 
+#: Layer plans of recently seen ``modules`` lists (by identity; the engine passes the same list each step).
+_LAYER_PLANS: dict[int, tuple[list[str | None], int, list[str], list[tuple[int, ...]]]] = {}
+
+
+def _layer_plan(modules: list[str | None]) -> tuple[list[str], list[tuple[int, ...]]]:
+    cached = _LAYER_PLANS.get(id(modules))
+    if cached is not None and cached[0] is modules and cached[1] == len(modules):
+        return cached[2], cached[3]
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(modules):
+        groups.setdefault("<root>" if m == "" else ("<foreign>" if m is None else m), []).append(i)
+    keys = list(groups)
+    idx = [tuple(v) for v in groups.values()]
+    if len(_LAYER_PLANS) >= 16:
+        _LAYER_PLANS.pop(next(iter(_LAYER_PLANS)))
+    _LAYER_PLANS[id(modules)] = (modules, len(modules), keys, idx)
+    return keys, idx
+
+
 def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:
+    """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters)."""
+    if len(modules) == len(norms):
+        keys, groups = _layer_plan(modules)
+        try:
+            hypot = math.hypot
+            vals = [abs(norms[g[0]]) if len(g) == 1 else hypot(*[norms[i] for i in g]) for g in groups]
+        except (IndexError, TypeError):
+            vals = None
+        if vals is not None and all(map(math.isfinite, vals)):
+            return dict(zip(keys, vals))
     acc: dict[str, float] = {}
     for m, v in zip(modules, norms):
         key = "<root>" if m == "" else ("<foreign>" if m is None else m)

@@ -21,6 +21,8 @@ _KEY = "dead_layer"
 def _zero_layers(stats: StepStats) -> tuple[dict[str, float], list[str]] | None:
     if not stats.names or stats.is_nonfinite:
         return None
+    if 0.0 not in stats.norms:  # a zero layer has zero norms: most steps end here
+        return {}, []
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     zero = [k for k, v in layers.items() if v == 0.0]
     if not zero or not any(v > 0 and math.isfinite(v) for v in layers.values()):
@@ -66,7 +68,7 @@ def remember(stats: StepStats, history: History) -> None:
         return
     layers, zero = found
     streaks = history.memory.setdefault(_KEY, {}).setdefault(stats.optimizer_index, {})
-    if not zero and not any(v > 0 for v in layers.values()):
+    if not zero and layers and not any(v > 0 for v in layers.values()):
         return  # every layer at zero: not counted either way
     for k in list(streaks):
         if k not in zero:

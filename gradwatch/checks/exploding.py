@@ -43,14 +43,11 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     i = stats.optimizer_index
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     recent = history.total_norms.get(i, ())
-    logs = [math.log(v) for v in recent if v > 0]
+    log = math.log
+    logs = [log(v) for v in recent if v > 0]
     m = median(logs)
     total = stats.total_norm
-    params = param_norms_of(stats, history)
-    param_total = math.sqrt(sum(v * v for v in params.values())) if params else None
     excess = math.log(total) - m if total > 0 and math.isfinite(total) and math.isfinite(m) else None
-    # A spike needs excess > SPREADS * spread >= 0: below the median the spread cannot matter.
-    spread = robust_spread(logs)[1] if excess is not None and excess > 0 else 0.0
     return {
         "total": total,
         "layers": layers,
@@ -58,9 +55,31 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "n": len(recent),
         "median": math.exp(m) if math.isfinite(m) else None,
         "excess": excess,
-        "spread": spread if math.isfinite(spread) else 0.0,
-        "param_total": param_total,
+        # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
+        "logs": logs,
+        "param_total": _param_total(param_norms_of(stats, history)),
     }
+
+
+_PARAM_TOTAL: list[Any] = [None, None]
+
+
+def _param_total(params: dict[str, float]) -> float | None:
+    """Norm of all the weights from per-layer norms; remeasured only every ``update_ratio_every`` steps."""
+    if not params:
+        return None
+    memo = _PARAM_TOTAL
+    if memo[0] is not params:
+        memo[0], memo[1] = params, math.sqrt(sum(v * v for v in params.values()))
+    return memo[1]  # type: ignore[no-any-return]
+
+
+def _spread(facts: dict[str, Any]) -> float:
+    spread = facts.get("spread")
+    if spread is None:
+        spread = robust_spread(facts["logs"])[1]
+        facts["spread"] = spread = spread if math.isfinite(spread) else 0.0
+    return spread  # type: ignore[no-any-return]
 
 
 def _locate(stats: StepStats, history: History, layers: dict[str, float]) -> tuple[str | None, float | None]:
@@ -69,9 +88,8 @@ def _locate(stats: StepStats, history: History, layers: dict[str, float]) -> tup
     Only needed for a finding: per-layer medians are too costly to compute on every healthy step.
     """
     jumps: dict[str, float] = {}
-    past = history.layer_norms.get(stats.optimizer_index, {})
     for name, v in layers.items():
-        med = median(past.get(name, ()))
+        med = median(history.layer_series(stats.optimizer_index, name))
         if math.isfinite(med) and med > 0:
             jumps[name] = v / med
     where = max(jumps, key=lambda k: jumps[k]) if jumps else (max(layers, key=lambda k: layers[k]) if layers else None)
@@ -91,7 +109,7 @@ def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
         reasons.append("ratio")
     excess = facts["excess"]
     if facts["n"] >= MIN_HISTORY and excess is not None:
-        if excess > math.log(config.spike_factor) and excess > SPREADS * facts["spread"]:
+        if excess > math.log(config.spike_factor) and excess > SPREADS * _spread(facts):
             reasons.append("spike")
     return reasons
 

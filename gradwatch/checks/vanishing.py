@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
@@ -31,15 +32,12 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
     if not stats.names or stats.is_nonfinite:
         return {}
-    params = param_norms_of(stats, history)
-    if not params:
+    weights = _usable(param_norms_of(stats, history))
+    if not weights:
         return {}
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
-    rel = {
-        k: g / params[k]
-        for k, g in layers.items()
-        if g > 0 and math.isfinite(g) and params.get(k, 0.0) > 0 and math.isfinite(params[k])
-    }
+    inf = math.inf
+    rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights}
     if len(rel) < MIN_LAYERS:
         return {}
     typical = quantile(rel.values(), 0.75)
@@ -48,18 +46,41 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     return {k: v / typical for k, v in rel.items()}
 
 
+_USABLE: list[Any] = [None, {}]
+
+
+def _usable(params: dict[str, float]) -> dict[str, float]:
+    """The positive finite weight norms (remeasured only every ``update_ratio_every`` steps)."""
+    memo = _USABLE
+    if memo[0] is not params:
+        memo[0], memo[1] = params, {k: w for k, w in params.items() if 0.0 < w < math.inf}
+    return memo[1]  # type: ignore[no-any-return]
+
+
+def _previous(past: Any, layer: str, n: int) -> list[float]:
+    """The layer's values of the last ``n`` recorded steps in a row (oldest first); a step without it ends
+    the run."""
+    out: list[float] = []
+    for d in reversed(past):
+        v = d.get(layer)
+        if v is None or len(out) >= n:
+            break
+        out.append(v)
+    out.reverse()
+    return out
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     rel = relative_to_typical(stats, history)
     if not rel:
         return []
-    past = history.memory.get(_KEY, {}).get(stats.optimizer_index, {})
     thr = config.vanishing_ratio
+    low = [k for k, v in rel.items() if v < thr]  # only a layer below the ratio now can newly sustain it
+    if not low:
+        return []
+    past = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
     n = config.window
-    new = [
-        k
-        for k, v in rel.items()
-        if newly_sustained(past.get(k, ()), v < thr, lambda x: x < thr, n)
-    ]
+    new = [k for k in low if newly_sustained(_previous(past, k, n), True, lambda x: x < thr, n)]
     if not new:
         return []
     rows = [{"layer": k, "relative_to_typical": rel[k]} for k in new]
@@ -95,9 +116,9 @@ def remember(stats: StepStats, history: History) -> None:
     rel = relative_to_typical(stats, history)
     if not rel:
         return
-    past = history.memory.setdefault(_KEY, {}).setdefault(stats.optimizer_index, {})
-    for k in list(past):
-        if k not in rel:
-            del past[k]  # no gradient (or exactly zero) this step: the streak is broken
-    for k, v in rel.items():
-        past.setdefault(k, deque(maxlen=history.window)).append(v)
+    # One dict per step (a layer missing from a step breaks its streak); O(1) per step, not per layer.
+    past = history.memory.setdefault(_KEY, {})
+    steps = past.get(stats.optimizer_index)
+    if steps is None or steps.maxlen != history.window:
+        steps = past[stats.optimizer_index] = deque(steps or (), maxlen=history.window)
+    steps.append(rel)
