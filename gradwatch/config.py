@@ -69,7 +69,8 @@ class Config:
             batch rarely and never for long.
         update_ratio_every: Measure parameter norms and the update-to-weight ratio
             ``||p_after - p_before|| / ||p_before||`` per layer every N checked steps (logged as
-            ``gradwatch/update_ratio/<layer>``). Costs one copy of the parameters for one step in N.
+            ``gradwatch/update_ratio/<layer>``). The update of a tensor larger than 4096 elements is
+            measured on a fixed random sample of 4096 of them (no copy of the parameters).
             Default ``100``; ``0`` turns it (and the parameter-scale part of ``vanishing_grad`` and
             ``exploding_ratio``) off.
         update_ratio_band: ``(low, high)``: a layer whose update-to-weight ratio stays outside this band

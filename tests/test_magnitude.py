@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradwatch
+import gradwatch.magnitude as magnitude_ext
 
 MAGNITUDE_KINDS = {"exploding_grad", "vanishing_grad", "dead_layer", "update_ratio_high", "update_ratio_low", "loss_spike"}
 
@@ -315,6 +316,35 @@ def test_update_ratio_is_the_measured_adam_update() -> None:
     )
     assert set(measured) == {"0", "2", "4"}
     assert measured["0"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_update_ratio_of_a_large_layer_is_estimated_from_a_bounded_sample() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    next_batch = batches()
+    big = list(model[2].parameters())  # 131072 + 256 elements: more than the sample
+    with gradwatch.watch(model, opt, console=False, update_ratio_every=2) as gw:
+        ext = gw.engine.extension(magnitude_ext.MagnitudeExtension)
+        for step in range(6):
+            x, y = next_batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if step == 4:
+                before = [p.detach().clone() for p in big]
+            opt.step()
+            if step == 4:
+                after = [p.detach().clone() for p in big]
+                held = ext._snapshots[0].before
+                # O(1) memory per tensor: never a copy of a whole parameter
+                assert max(t.numel() for t in held) == magnitude_ext.UPDATE_SAMPLE
+        measured = gw.engine.history.last[0].extra["update_ratio"]
+    expected = math.sqrt(sum(float((a - b).norm()) ** 2 for a, b in zip(after, before))) / math.sqrt(
+        sum(float(b.norm()) ** 2 for b in before)
+    )
+    assert measured["2"] == pytest.approx(expected, rel=0.05)
+    assert measured["2"] != pytest.approx(expected, rel=1e-6)  # an estimate, not a copy
 
 
 def test_update_ratio_far_too_high_is_reported_once() -> None:
