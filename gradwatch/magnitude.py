@@ -137,6 +137,9 @@ def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
 #: percent, for a check whose band spans five orders of magnitude, at O(1) memory per tensor.
 UPDATE_SAMPLE = 4096
 
+#: Consecutive elements per sampled run.
+_RUN = 64
+
 #: Sample positions per (numel, device), drawn once from a private generator (the user's RNG is untouched).
 _SAMPLE_INDEX: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -145,8 +148,10 @@ def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
     key = (numel, str(device))
     idx = _SAMPLE_INDEX.get(key)
     if idx is None:
+        # Random aligned runs of _RUN elements: spread over the whole tensor, yet few cache lines to touch.
         gen = torch.Generator().manual_seed(numel)
-        idx = torch.randperm(numel, generator=gen)[:UPDATE_SAMPLE].sort().values.to(device)
+        starts = torch.randperm(numel // _RUN, generator=gen)[: UPDATE_SAMPLE // _RUN].sort().values * _RUN
+        idx = (starts[:, None] + torch.arange(_RUN)[None, :]).reshape(-1).to(device)
         if len(_SAMPLE_INDEX) >= 256:
             _SAMPLE_INDEX.pop(next(iter(_SAMPLE_INDEX)))
         _SAMPLE_INDEX[key] = idx
