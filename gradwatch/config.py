@@ -40,6 +40,11 @@ class Config:
             later. ``"skip"``/``"raise"`` and same-step localization are then unavailable.
         histogram_every: Write gradient histograms every N checked steps (``0``: never; costly).
         tb_flush_every: Flush TensorBoard scalars to disk every N checked steps.
+        layer_every: Write the per-layer scalars (``gradwatch/grad_norm/<layer>``) every N checked steps,
+            and on every step with a finding; the total norm and the loss are written every checked
+            step, the counters whenever they change. Default ``10``: TensorBoard keeps 1,000 points per
+            chart anyway, and writing a few dozen per-layer values every step is most of gradwatch's
+            logging cost. ``1`` writes them every step.
         exploding_norm: Absolute bound on the total or a layer's gradient norm (``None``, the default: no
             bound, because a good bound depends on the model and loss scale; the adaptive tests below need
             no tuning).
@@ -93,6 +98,7 @@ class Config:
     deferred: bool = False
     histogram_every: int = 0
     tb_flush_every: int = 50
+    layer_every: int = 10
     exploding_norm: float | None = None
     exploding_ratio: float | None = 1e4
     spike_factor: float = 10.0
@@ -152,6 +158,7 @@ def _validate(c: Config) -> None:
     _check_int("escalate_steps", c.escalate_steps, minimum=1)
     _check_int("histogram_every", c.histogram_every, minimum=0)
     _check_int("tb_flush_every", c.tb_flush_every, minimum=1)
+    _check_int("layer_every", c.layer_every, minimum=1)
     _check_int("window", c.window, minimum=4)
     _check_int("dead_steps", c.dead_steps, minimum=1)
     _check_int("rate_limit", c.rate_limit, minimum=0)

@@ -123,6 +123,7 @@ class Engine:
         self._pending: tuple[StepStats, SyncBatch, Any] | None = None
         self._norm_samples: list[float] = []
         self._layer_tags: dict[str, str] = {}
+        self._last_counters: dict[str, float] = {}
         self._norm_stride = 1
         self._norm_seen = 0
         self._check_modules = _checks.discover()
@@ -452,7 +453,7 @@ class Engine:
                 self._sample_norm(stats.total_norm)
             for f in findings:
                 self.add_finding(f)
-            self.reporters.call("scalars", stats.step, self._scalars(stats))
+            self.reporters.call("scalars", stats.step, self._scalars(stats, every_value=bool(findings)))
         except Exception as exc:  # noqa: BLE001
             internal_warning("report", exc, owner=self)
 
@@ -464,24 +465,32 @@ class Engine:
         self.kind_counts[f.kind] += 1
         self.reporters.call("finding", f)
 
-    def _scalars(self, stats: StepStats) -> dict[str, float]:
+    def _scalars(self, stats: StepStats, *, every_value: bool = False) -> dict[str, float]:
+        """This step's TensorBoard scalars. Per-layer norms every ``layer_every`` checked steps (and with
+        ``every_value``: a step with findings), counters when they change: fewer events, same charts."""
         multi = len(self.optimizers) > 1
         suffix = f"_opt{stats.optimizer_index}" if multi else ""
         out: dict[str, float] = {}
         if stats.names:
             out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
-        tags = self._layer_tags
-        for layer, v in stats.layer_norms.items():
-            tag = tags.get(layer)
-            if tag is None:
-                tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
-            out[tag] = v
+        full = every_value or (self.steps_checked - 1) % self.config.layer_every == 0
+        if full:
+            tags = self._layer_tags
+            for layer, v in stats.layer_norms.items():
+                tag = tags.get(layer)
+                if tag is None:
+                    tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
+                out[tag] = v
         if stats.loss is not None:
             out["gradwatch/loss"] = stats.loss
-        out["gradwatch/skipped_steps"] = float(self.steps_skipped)
-        out["gradwatch/nonfinite_grads"] = float(len(stats.nonfinite))
+        counters = {"gradwatch/skipped_steps": float(self.steps_skipped),
+                    "gradwatch/nonfinite_grads": float(len(stats.nonfinite))}
         for kind, n in self.kind_counts.items():
-            out["gradwatch/findings/" + kind] = float(n)
+            counters["gradwatch/findings/" + kind] = float(n)
+        last = self._last_counters
+        for tag, v in counters.items():
+            if full or last.get(tag) != v:
+                out[tag] = last[tag] = v
         more = stats.extra.get("scalars")
         if isinstance(more, dict):
             out.update(more)

@@ -688,6 +688,7 @@ class Escalation:
                     except RuntimeError as exc:
                         anomaly_error = str(exc)
             traceback = _anomaly_traceback(caught)
+        _reemit_own_warnings(caught)
         try:
             result = loc.resolve()
         finally:
@@ -729,6 +730,7 @@ class Escalation:
                     except RuntimeError as exc:
                         anomaly_error = str(exc)
             traceback = _anomaly_traceback(caught)
+        _reemit_own_warnings(caught)
         try:
             result = loc.resolve()
         finally:
@@ -922,6 +924,16 @@ def _autocast(state: tuple[tuple[str, torch.dtype], ...] | None) -> Iterator[Non
         for device, dtype in state or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
         yield
+
+
+def _reemit_own_warnings(caught: list[warnings.WarningMessage]) -> None:
+    """The replay records warnings process-wide: gradwatch's own ones (e.g. from its TensorBoard writer
+    thread, issued meanwhile) are passed on instead of being lost with the replay's anomaly-mode noise."""
+    from gradwatch.report import GradWatchInternalWarning
+
+    for w in caught:
+        if issubclass(w.category, GradWatchInternalWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _anomaly_traceback(caught: list[warnings.WarningMessage]) -> str | None:

@@ -86,7 +86,8 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
     - ``gradwatch/grad_norm/total``: L2 norm of all gradients before clipping (``gradwatch/grad_norm/total_opt{i}``
       per optimizer when there are several).
-    - ``gradwatch/grad_norm/<module>``: per-module gradient norm before clipping (with ``per_layer=True``).
+    - ``gradwatch/grad_norm/<module>``: per-module gradient norm before clipping (with ``per_layer=True``;
+      every ``layer_every`` checked steps and on steps with a finding).
     - ``gradwatch/clip_ratio``: ``min(1, gradient_clip_val / total_norm)``, the factor Lightning's norm
       clipping scales the gradients by (1 = not clipped); only with ``Trainer(gradient_clip_val=...)``, the
       norm algorithm and no ``configure_gradient_clipping`` override.

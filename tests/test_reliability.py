@@ -12,6 +12,7 @@ import io
 import os
 import shutil
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -510,3 +511,38 @@ def test_gradients_after_each_step_are_the_ones_backward_produced() -> None:
     for a, b in zip(watched, reference):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)  # bit-identical, NaN included
+
+
+def test_own_warning_from_another_thread_during_a_replay_is_not_lost(record) -> None:
+    """An incident replay records warnings process-wide (anomaly mode's noise); a gradwatch warning issued
+    meanwhile by another thread (its TensorBoard writer) must still reach the user."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.engine: Any = None
+            self.bad = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.engine is not None and self.engine.replaying:
+                t = threading.Thread(target=warnings.warn, args=("from the writer thread", GradWatchInternalWarning))
+                t.start()
+                t.join()
+            out = self.lin(x)
+            return torch.sqrt(out - 100.0) if self.bad else out
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        model.engine = gw.engine
+        for step in range(3):
+            model.bad = step == 2  # sqrt of a negative: a NaN born in the model, localized by a replay
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert any(f.kind == "nan_origin" for f in gw.findings)  # the step was replayed
+    assert "from the writer thread" in internal_warnings(record)
