@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from gradwatch.stats import layer_norms, local_shards, queue_grad_norms, read_grad_norms
+from gradwatch.stats import layer_norms, queue_grad_norms, read_grad_norms
 
 #: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
 MAD_TO_STD = 1.4826
@@ -160,15 +161,22 @@ def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
 
 def sample_elements(p: torch.Tensor) -> torch.Tensor:
     """A flat copy of at most :data:`UPDATE_SAMPLE` elements of ``p`` (always the same ones for its size)."""
-    t = local_shards([p.detach()])[0]  # a sharded (DTensor) parameter: this process's shard
+    t = _local(p.detach())
     if t.numel() <= UPDATE_SAMPLE:
         return t.reshape(-1).clone()
     return torch.take(t, _sample_index(t.numel(), t.device))  # no full copy, any memory layout
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a sharded (DTensor) parameter; any other tensor as it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return t.to_local() if cls is not None and isinstance(t, cls) else t
+
+
 def _scale(p: torch.Tensor, sample: torch.Tensor) -> float:
     """sqrt(elements / sampled elements): turns the norm of ``p``'s sample into an estimate of its norm."""
-    return math.sqrt(local_shards([p])[0].numel() / max(1, sample.numel()))
+    return math.sqrt(_local(p).numel() / max(1, sample.numel()))
 
 
 @dataclass
@@ -225,7 +233,7 @@ class MagnitudeExtension:
             pairs = [
                 (p, b, m, c)
                 for p, b, m, c in zip(snap.params, snap.before, snap.modules, snap.scales)
-                if p.dtype == b.dtype and c == _scale(p, b)
+                if p.dtype == b.dtype and min(_local(p).numel(), UPDATE_SAMPLE) == b.numel()
             ]
             if steps >= 1 and pairs:
                 before = [b for _, b, _, _ in pairs]
