@@ -419,6 +419,27 @@ def test_tensorboard_tags_and_jsonl(tmp_path):
     assert [("nonfinite_loss", 3), ("nonfinite_grad", 3)] == [k for k in kinds(gw) if k[0].startswith("nonfinite")]
 
 
+@pytest.mark.parametrize("layer_every", [10, 1])
+def test_per_layer_scalars_every_layer_every_steps_and_on_findings(tmp_path, layer_every):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path), layer_every=layer_every) as gw:
+        train(model, opt, gw, batches(25), inf_grad_at=13)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = lambda tag: [e.step for e in acc.Scalars(tag)]  # noqa: E731
+    assert steps("gradwatch/grad_norm/total") == [s for s in range(25) if s != 13]  # every step but the Inf one
+    assert steps("gradwatch/loss") == list(range(25))
+    expected = [0, 10, 13, 20] if layer_every == 10 else list(range(25))  # 13: the step with a finding
+    assert steps("gradwatch/grad_norm/encoder.0") == expected
+    assert steps("gradwatch/grad_norm/head") == [s for s in expected if s != 13]  # its Inf norm is not charted
+    nonfinite = {e.step: e.value for e in acc.Scalars("gradwatch/nonfinite_grads")}
+    assert nonfinite[13] == 1 and nonfinite[14] == 0  # counters: written when they change
+
+
 def test_close_leaves_no_hook_behind():
     torch.manual_seed(0)
     model = Net()
