@@ -155,8 +155,8 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     """Queue per-gradient L2 norms into ``batch``; returns ``(slot, positions)`` pairs to read them back.
 
     Dense floating gradients go through one fused ``_foreach_norm`` per (device, dtype) with float32
-    accumulation (fp16/bf16 gradients cannot overflow the norm). Sparse, complex and integer gradients
-    take a per-tensor path. Meta tensors have no values and are left out (their norm reads as 0).
+    accumulation (fp16/bf16 gradients cannot overflow the norm; float64 ones keep float64). Sparse,
+    complex and integer gradients take a per-tensor path. Meta tensors have no values and are left out (their norm reads as 0).
     """
     grads = local_shards(grads)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
@@ -171,10 +171,8 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
         else:
             odd.append(i)
     slots: list[tuple[int, list[int]]] = []
-    for (_device, _dtype), idx in groups.items():
-        tensors = [grads[i] for i in idx]
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        slots.append((batch.add(torch.stack(norms)), idx))
+    for (_device, dtype), idx in groups.items():
+        slots.append((batch.add(_fused_norms([grads[i] for i in idx], dtype)), idx))
     for i in odd:
         g = grads[i]
         if g.is_sparse:
@@ -183,6 +181,15 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
             g = g.float()
         slots.append((batch.add(torch.linalg.vector_norm(g).float()), [i]))
     return slots
+
+
+def _fused_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor L2 norms in one fused call, as one float32 vector: accumulated in float32 for half,
+    bfloat16 and float32 gradients (a half-precision norm would overflow), in their own precision for
+    wider ones (float64: asking the kernel for float32 would be a narrowing it refuses)."""
+    if torch.finfo(dtype).bits <= 32:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return torch.stack(torch._foreach_norm(tensors, 2)).float()
 
 
 def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> list[tuple[int, list[int]]] | None:
@@ -205,16 +212,18 @@ def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> lis
             and not params[0].is_meta
             and not (dtensor is not None and any(isinstance(p, dtensor) for p in params))  # sharded: general path
         )
-        plan = (params, uniform, list(range(len(params))))
+        plan = (params, uniform, list(range(len(params))), params[0].dtype if params else None)
         op._norm_plan = plan
     if not plan[1]:
         return None
+    params_dtype = plan[3]
     try:
-        # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True)).
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True),
+        # parameters moved to different devices or dtypes after the plan was made).
+        stacked = _fused_norms(grads, params_dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return [(batch.add(torch.stack(norms)), plan[2])]
+    return [(batch.add(stacked), plan[2])]
 
 
 def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:

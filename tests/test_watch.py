@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -438,6 +439,22 @@ def test_per_layer_scalars_every_layer_every_steps_and_on_findings(tmp_path, lay
     assert steps("gradwatch/grad_norm/head") == [s for s in expected if s != 13]  # its Inf norm is not charted
     nonfinite = {e.step: e.value for e in acc.Scalars("gradwatch/nonfinite_grads")}
     assert nonfinite[13] == 1 and nonfinite[14] == 0  # counters: written when they change
+
+
+def test_float64_model_is_checked_like_any_other():
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [x.double() for x in batches(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an internal error of gradwatch would be a warning
+        with gradwatch.watch(model, opt, console=False) as gw:
+            train(model, opt, gw, xs, nan_at=2)
+    assert gw.summary().steps_checked == 4
+    assert [k for k in kinds(gw) if k[0].startswith("nonfinite")] == [("nonfinite_loss", 2), ("nonfinite_grad", 2)]
+    last = gw.engine.history.last[0]
+    expected = [float(p.grad.norm()) for p in model.parameters()]
+    assert last.norms == pytest.approx(expected, rel=1e-5)
 
 
 def test_close_leaves_no_hook_behind():
