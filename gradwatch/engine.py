@@ -124,6 +124,7 @@ class Engine:
         self._norm_samples: list[float] = []
         self._layer_tags: dict[str, str] = {}
         self._last_counters: dict[str, float] = {}
+        self._scalar_steps: dict[int, int] = {}
         self._norm_stride = 1
         self._norm_seen = 0
         self._check_modules = _checks.discover()
@@ -473,7 +474,8 @@ class Engine:
         out: dict[str, float] = {}
         if stats.names:
             out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
-        full = every_value or (self.steps_checked - 1) % self.config.layer_every == 0
+        seen = self._scalar_steps[stats.optimizer_index] = self._scalar_steps.get(stats.optimizer_index, 0) + 1
+        full = every_value or (seen - 1) % self.config.layer_every == 0  # each optimizer its own cadence
         if full:
             tags = self._layer_tags
             for layer, v in stats.layer_norms.items():

@@ -360,6 +360,27 @@ def test_several_optimizers_each_checked_on_its_own():
     ]
 
 
+def test_per_layer_scalars_of_each_optimizer_keep_their_own_cadence(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = Net()
+    opt_a = torch.optim.SGD(model.encoder.parameters(), lr=0.1)  # like a GAN: two optimizers, each step
+    opt_b = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with gradwatch.watch(model, [opt_a, opt_b], console=False, log_dir=str(tmp_path), layer_every=5) as gw:
+        for x in batches(12):
+            loss = model(x).pow(2).mean()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            loss.backward()
+            opt_a.step()
+            opt_b.step()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("gradwatch/grad_norm/encoder.0")] == [0, 5, 10]
+    assert [e.step for e in acc.Scalars("gradwatch/grad_norm/head")] == [0, 5, 10]
+
+
 def test_hand_written_update_with_check():
     torch.manual_seed(0)
     model = Net()
