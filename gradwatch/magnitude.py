@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from gradwatch.stats import layer_norms, queue_grad_norms, read_grad_norms
+from gradwatch.stats import layer_norms, local_shards, queue_grad_norms, read_grad_norms
 
 #: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
 MAD_TO_STD = 1.4826
@@ -110,6 +109,20 @@ def param_norms_of(stats: Any, history: Any) -> dict[str, float]:
     return history.memory.get("param_norms", {}).get(stats.optimizer_index, {})
 
 
+_WEIGHTS: list[Any] = [None, {}, None]
+
+
+def weight_summary(params: dict[str, float]) -> tuple[dict[str, float], float | None]:
+    """``(usable, total)`` of per-layer weight norms: the positive finite ones, and the norm of all the
+    weights. Computed once per measurement (every ``update_ratio_every`` steps), not on every step."""
+    memo = _WEIGHTS
+    if memo[0] is not params:
+        usable = {k: w for k, w in params.items() if 0.0 < w < math.inf}
+        total = math.sqrt(sum(v * v for v in params.values())) if params else None
+        memo[0], memo[1], memo[2] = params, usable, total
+    return memo[1], memo[2]
+
+
 def remember_param_norms(stats: Any, history: Any) -> None:
     """Keep the latest per-layer parameter norms (parameters change slowly between measurements)."""
     now = stats.extra.get("param_norms")
@@ -169,9 +182,7 @@ def sample_elements(p: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a sharded (DTensor) parameter; any other tensor as it is."""
-    module = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(module, "DTensor", None) if module is not None else None
-    return t.to_local() if cls is not None and isinstance(t, cls) else t
+    return local_shards([t])[0]
 
 
 def _scale(p: torch.Tensor, sample: torch.Tensor) -> float:

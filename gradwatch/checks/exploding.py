@@ -22,7 +22,14 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import median, once_per_check, param_norms_of, remember_param_norms, robust_spread
+from gradwatch.magnitude import (
+    median,
+    once_per_check,
+    param_norms_of,
+    remember_param_norms,
+    robust_spread,
+    weight_summary,
+)
 from gradwatch.stats import StepStats, layer_norms
 
 #: Checked steps of history the spike test waits for.
@@ -57,21 +64,8 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "excess": excess,
         # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
-        "param_total": _param_total(param_norms_of(stats, history)),
+        "param_total": weight_summary(param_norms_of(stats, history))[1],
     }
-
-
-_PARAM_TOTAL: list[Any] = [None, None]
-
-
-def _param_total(params: dict[str, float]) -> float | None:
-    """Norm of all the weights from per-layer norms; remeasured only every ``update_ratio_every`` steps."""
-    if not params:
-        return None
-    memo = _PARAM_TOTAL
-    if memo[0] is not params:
-        memo[0], memo[1] = params, math.sqrt(sum(v * v for v in params.values()))
-    return memo[1]  # type: ignore[no-any-return]
 
 
 def _spread(facts: dict[str, Any]) -> float:

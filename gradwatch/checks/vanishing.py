@@ -18,7 +18,14 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
-from gradwatch.magnitude import newly_sustained, once_per_check, param_norms_of, quantile, remember_param_norms
+from gradwatch.magnitude import (
+    newly_sustained,
+    once_per_check,
+    param_norms_of,
+    quantile,
+    remember_param_norms,
+    weight_summary,
+)
 from gradwatch.stats import StepStats, layer_norms
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
@@ -32,7 +39,7 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
     if not stats.names or stats.is_nonfinite:
         return {}
-    weights = _usable(param_norms_of(stats, history))
+    weights = weight_summary(param_norms_of(stats, history))[0]
     if not weights:
         return {}
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
@@ -44,17 +51,6 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     if not typical > 0:
         return {}
     return {k: v / typical for k, v in rel.items()}
-
-
-_USABLE: list[Any] = [None, {}]
-
-
-def _usable(params: dict[str, float]) -> dict[str, float]:
-    """The positive finite weight norms (remeasured only every ``update_ratio_every`` steps)."""
-    memo = _USABLE
-    if memo[0] is not params:
-        memo[0], memo[1] = params, {k: w for k, w in params.items() if 0.0 < w < math.inf}
-    return memo[1]  # type: ignore[no-any-return]
 
 
 def _previous(past: Any, layer: str, n: int) -> list[float]:
