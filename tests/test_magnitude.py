@@ -246,6 +246,29 @@ def test_deep_sigmoid_mlp_has_vanishing_gradients_in_its_early_layers() -> None:
     assert "ReLU" in f.message and "residual" in f.message
 
 
+def test_vanishing_layer_is_reported_again_only_after_it_recovered_or_its_run_was_broken() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    window = 5
+
+    def step(gw: gradwatch.Watcher, tiny: bool, first_has_grad: bool = True) -> None:
+        for i, layer in enumerate(model):
+            scale = 1e-6 if tiny and i == 0 else 1.0
+            for p in layer.parameters():
+                p.grad = None if i == 0 and not first_has_grad else torch.ones_like(p) * scale
+        gw.check()
+
+    with gradwatch.watch(model, console=False, window=window) as gw:
+        plan = [True] * 7 + [False] * 2 + [True] * 5 + [True, True, None, True, True, True, True, True]
+        for tiny in plan:
+            step(gw, tiny=bool(tiny), first_has_grad=tiny is not None)
+    steps = [f.step for f in gw.findings if f.kind == "vanishing_grad"]
+    # run 0-6 (reported at its 5th step), recovered 7-8, run 9-13, run 14-15 broken by a step without a
+    # gradient at 16, run 17-21
+    assert steps == [4, 13, 21]
+    assert all(f.data["layers"] == ["0"] for f in gw.findings if f.kind == "vanishing_grad")
+
+
 def test_same_depth_with_relu_is_not_vanishing() -> None:
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(16, 32), nn.ReLU()]

@@ -1298,6 +1298,12 @@ DDP_WORKER = textwrap.dedent(
     result["findings"] = [f.to_dict() for f in gw.findings]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
+    if result["error"]:
+        # After a DDP reduction error the reducer still holds gloo work, and torch's own teardown of the
+        # process group can then abort the process ("terminate called without an active exception",
+        # pytorch/pytorch#190489, #179291). The results are written: leave without that teardown.
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
     """
 )

@@ -12,14 +12,12 @@ checked steps; weights change slowly in between). Layers with exactly zero gradi
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
 from gradwatch.magnitude import (
-    newly_sustained,
     once_per_check,
     param_norms_of,
     quantile,
@@ -53,17 +51,14 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     return {k: v / typical for k, v in rel.items()}
 
 
-def _previous(past: Any, layer: str, n: int) -> list[float]:
-    """The layer's values of the last ``n`` recorded steps in a row (oldest first); a step without it ends
-    the run."""
-    out: list[float] = []
-    for d in reversed(past):
-        v = d.get(layer)
-        if v is None or len(out) >= n:
-            break
-        out.append(v)
-    out.reverse()
-    return out
+def _streaks(history: History, optimizer_index: int, thr: float) -> dict[str, Any]:
+    """This optimizer's record ``{"threshold", "runs"}``; ``runs[layer]`` counts the recorded steps in a
+    row (up to the last one) the layer stayed below the threshold. Started again when the threshold changes."""
+    kept = history.memory.setdefault(_KEY, {})
+    record = kept.get(optimizer_index)
+    if record is None or record["threshold"] != thr:
+        record = kept[optimizer_index] = {"threshold": thr, "runs": {}}
+    return record
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -71,12 +66,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if not rel:
         return []
     thr = config.vanishing_ratio
+    runs = _streaks(history, stats.optimizer_index, thr)["runs"]
     low = [k for k, v in rel.items() if v < thr]  # only a layer below the ratio now can newly sustain it
     if not low:
         return []
-    past = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
     n = config.window
-    new = [k for k in low if newly_sustained(_previous(past, k, n), True, lambda x: x < thr, n)]
+    new = [k for k in low if runs.get(k, 0) == n - 1]  # below for n steps in a row as of now, not before
     if not new:
         return []
     rows = [{"layer": k, "relative_to_typical": rel[k]} for k in new]
@@ -110,11 +105,10 @@ def remember(stats: StepStats, history: History) -> None:
     if not stats.names or stats.is_nonfinite:
         return
     rel = relative_to_typical(stats, history)
-    if not rel:
+    record = history.memory.get(_KEY, {}).get(stats.optimizer_index)  # set by check() on this step
+    if not rel or record is None:
         return
-    # One dict per step (a layer missing from a step breaks its streak); O(1) per step, not per layer.
-    past = history.memory.setdefault(_KEY, {})
-    steps = past.get(stats.optimizer_index)
-    if steps is None or steps.maxlen != history.window:
-        steps = past[stats.optimizer_index] = deque(steps or (), maxlen=history.window)
-    steps.append(rel)
+    # Run lengths instead of a window of past values: O(layers) per step whatever the window. A layer
+    # missing from a step (no measurable gradient) ends its run.
+    thr, runs = record["threshold"], record["runs"]
+    record["runs"] = {k: runs.get(k, 0) + 1 if v < thr else 0 for k, v in rel.items()}
