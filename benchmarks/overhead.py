@@ -1,7 +1,7 @@
 """How much does gradwatch cost per training step? Side-by-side, in one process, interleaved.
 
 Every variant (bare, a second bare as an A/A control, gradwatch in several configurations, and the
-tools people would otherwise use) trains its own copy of the same model on the same batch. Rounds run
+tools people would otherwise use) trains its own copy of the same model on the same batches. Rounds run
 the variants in a freshly shuffled order, each for a few whole training steps (forward, backward,
 optimizer step, zero_grad); a variant's round time is the mean step time of its steps in that round.
 Reported per variant: the median round time and the median over rounds of its ratio to *that round's*
@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import gc
 import io
+import itertools
 import math
 import os
 import platform
@@ -105,7 +106,11 @@ class Workload:
     name: str
     description: str
     make_model: Callable[[], nn.Module]
-    batch: tuple[torch.Tensor, torch.Tensor]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]  # a variant's steps cycle through them
+
+    @property
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[0]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     steps_per_round: int
 
@@ -117,14 +122,16 @@ def make_workloads(tied: bool) -> dict[str, Workload]:
     def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
-    x2 = torch.randn(64, 256, generator=g)
-    y2 = torch.randn(64, 256, generator=g)
+    # W2 cycles through 32 batches of random targets: a stationary, healthy run. On one fixed batch the
+    # net memorizes it, and after ~400 steps Adam's update on near-zero gradients starts a real burst
+    # (norm x100, loss +14%) that gradwatch rightly reports.
+    w2 = [(torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)) for _ in range(32)]
     return {
         "W1": Workload(
             "W1",
             f"Transformer-encoder LM ({'tied' if tied else 'untied'} head), seq 128, batch 8, AdamW",
             lambda: TinyLM(tied=tied),
-            (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
+            [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())],
             lm_loss,
             steps_per_round=5,
         ),
@@ -132,7 +139,7 @@ def make_workloads(tied: bool) -> dict[str, Workload]:
             "W2",
             "MLP 40 x Linear(256,256)+ReLU, batch 64, AdamW",
             deep_mlp,
-            (x2, y2),
+            w2,
             lambda out, y: nn.functional.mse_loss(out, y),
             steps_per_round=10,
         ),
@@ -162,10 +169,11 @@ class Variant:
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, *, before_step: Callable[[], None] | None = None,
                 around_fwd_bwd: Callable[[], Any] | None = None) -> Callable[[], None]:
-    x, y = wl.batch
+    next_batch = itertools.cycle(wl.batches).__next__
     loss_fn = wl.loss_fn
 
     def step() -> None:
+        x, y = next_batch()
         ctx = around_fwd_bwd() if around_fwd_bwd is not None else contextlib.nullcontext()
         with ctx:
             loss = loss_fn(model(x), y)
@@ -179,10 +187,11 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, *, b
 
 
 def _watched_step(model: nn.Module, opt: torch.optim.Optimizer, wl: Workload, gw: Any) -> Callable[[], None]:
-    x, y = wl.batch
+    next_batch = itertools.cycle(wl.batches).__next__
     loss_fn = wl.loss_fn
 
     def step() -> None:
+        x, y = next_batch()
         loss = loss_fn(model(x), y)
         gw.observe_loss(loss)
         loss.backward()
@@ -501,12 +510,10 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
         notes.append(f"W2-Lightning / gradwatch callback: skipped (gradwatch.lightning not importable: {exc})")
 
     wl = make_workloads(tied=False)["W2"]
-    x, y = wl.batch
 
     class Batches(torch.utils.data.IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
-            while True:
-                yield x, y
+            yield from itertools.cycle(wl.batches)
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
