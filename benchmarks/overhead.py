@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = wl.steps_per_round
             wl_rounds = rounds
             if args.quick and key == "W1" and args.rounds is None:
-                steps, wl_rounds = 3, 3  # rough: a first look, not numbers to report
+                steps, wl_rounds = 2, 3  # rough: a first look, not numbers to report
             rows, more = run_loop_benchmark(wl, wl_rounds, warmup, steps, tmp, rng, only, log)
             results[key] = rows
             notes += more
