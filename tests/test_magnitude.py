@@ -286,6 +286,22 @@ def test_same_depth_with_relu_is_not_vanishing() -> None:
 # -- dead layer --------------------------------------------------------------------------------------------
 
 
+def test_layer_frozen_mid_run_with_stale_zero_grads_is_not_dead() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(40):
+            if step == 5:
+                model[0].requires_grad_(False)  # frozen on purpose; its .grad stays an all-zero tensor
+            x, y = data()
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert [f.kind for f in gw.findings if f.severity != "info"] == []
+
+
 def test_dead_relu_layer_is_reported_once_at_dead_steps() -> None:
     torch.manual_seed(0)
     model = mlp()

@@ -25,9 +25,24 @@ def _zero_layers(stats: StepStats) -> tuple[dict[str, float], list[str]] | None:
         return {}, []
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     zero = [k for k, v in layers.items() if v == 0.0]
+    frozen = _frozen_layers(stats) if zero else set()
+    zero = [k for k in zero if k not in frozen]  # frozen on purpose (requires_grad=False): not dead
     if not zero or not any(v > 0 and math.isfinite(v) for v in layers.values()):
         return layers, []
     return layers, zero
+
+
+def _frozen_layers(stats: StepStats) -> set[str]:
+    """Layers whose every parameter has ``requires_grad=False`` (a stale zero gradient left by
+    ``zero_grad(set_to_none=False)`` after the user froze them)."""
+    params = stats.extra.get("params")
+    if not isinstance(params, list) or len(params) != len(stats.modules):
+        return set()
+    trainable: dict[str, bool] = {}
+    for p, m in zip(params, stats.modules):
+        key = "<root>" if m == "" else ("<foreign>" if m is None else m)
+        trainable[key] = trainable.get(key, False) or bool(getattr(p, "requires_grad", True))
+    return {k for k, t in trainable.items() if not t}
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
