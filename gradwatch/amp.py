@@ -19,7 +19,10 @@ step's statistics):
 
 - Plain loop: ``scaler.step(opt)`` calls ``opt.step()`` only when the gradients are finite, so
   gradwatch's step hook never runs on an overflow step, and the gradients it sees are unscaled. The
-  overflow steps in between are counted from the scale: each one multiplies it by the backoff factor.
+  overflow steps in between are counted from the scale: each one multiplies it by the backoff factor
+  (the growth tracker says whether the last update grew it first). A NaN/Inf loss observed on such a
+  step is a real incident, reported at that step (``nonfinite_loss``, localized), and never held
+  against the healthy step that follows.
   The scaler is the one handed to ``watch(..., scaler=scaler)``, or else the one whose ``step()`` is
   found calling the optimizer. Those steps count as optimizer steps (as in Lightning's
   ``global_step``), so step numbers match the loop's iterations. Fused optimizers are stepped on every
@@ -41,6 +44,7 @@ from typing import Any
 
 import torch
 
+from gradwatch.findings import Finding
 from gradwatch.report import internal_warning
 from gradwatch.stats import StepStats, layer_norms, total_norm
 
@@ -213,7 +217,11 @@ class AmpMonitor:
                 # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
                 self._engine.step_counts[stats.optimizer_index] += hidden
                 stats.step += hidden
-            self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale)
+            dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
+            self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale,
+                              loss_nonfinite=dropped_loss is not None)
+            if dropped_loss is not None:
+                self._report_dropped_loss(stats, *dropped_loss)
         if overflow_here:
             loss_nonfinite = stats.loss_nonfinite
             _blank(stats)
@@ -228,6 +236,48 @@ class AmpMonitor:
         scalars = stats.extra.setdefault("scalars", {})
         scalars["gradwatch/amp/scale"] = scale
         scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
+
+    def _loss_of_dropped_steps(self, ctx: Any, values: Any, first: int, hidden: int) -> tuple[int, float] | None:
+        """``(step, loss)`` when a non-finite loss observed since the last check belongs to the steps the
+        scaler dropped, not to this one: this step's gradients and its own (last) loss are finite. Its
+        flag is taken off this step, whose update is healthy and must go through."""
+        stats: StepStats = ctx.stats
+        slot = ctx.slots.get("loss", -1)
+        if not stats.loss_nonfinite or stats.nonfinite or slot < 0:
+            return None
+        losses = values[slot]
+        if not losses or not math.isfinite(losses[-1]):
+            return None
+        bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+        # One observed loss per iteration maps each to its step; otherwise the first dropped step.
+        step = first + bad if len(losses) == hidden + 1 else first
+        stats.loss_nonfinite = False
+        stats.loss = losses[-1]
+        return step, losses[bad]
+
+    def _report_dropped_loss(self, stats: StepStats, step: int, loss: float, engine: Any = None,
+                             localize: bool = True) -> None:
+        """A NaN/Inf loss on a step the scaler dropped: a real incident (scaling never makes the unscaled
+        loss non-finite), reported at its own step and localized like any other."""
+        engine = engine or self._engine
+        at = StepStats(step=step, optimizer_index=stats.optimizer_index, loss=loss, loss_nonfinite=True)
+        finding = Finding(
+            kind="nonfinite_loss",
+            step=step,
+            severity="error",
+            message=(
+                f"The loss is {loss} at step {step}. Its gradients were non-finite too, so the gradient scaler "
+                "dropped that update (the weights are unchanged) and lowered the loss scale; but loss scaling "
+                "never makes the unscaled loss NaN/Inf, so this is not a normal overflow: a bad batch or "
+                "an op in the forward pass produced it.\nFix: look for log/sqrt/division of zero or negative "
+                "values in the loss, add an epsilon (e.g. torch.log(x + 1e-8)), clamp logits, or check the "
+                "batch for NaN/Inf."
+            ),
+            data={"loss": loss, "optimizer": stats.optimizer_index, "dropped_by_scaler": True},
+        )
+        more = engine._incident(at, [finding]) if localize else []
+        for f in [finding, *more]:
+            engine.add_finding(f)
 
     def _grow_streak(self, first: int, n: int, *, before: float, after: float, loss_nonfinite: bool = False) -> None:
         """Consecutive overflow steps are reported together, once the streak ends (or persists)."""
@@ -278,7 +328,13 @@ class AmpMonitor:
         if self._last_was_overflow:
             factors = [backoff]
         else:
-            factors = [1.0, float(getattr(scaler, "_growth_factor", 2.0))]
+            # The update after the last check went through; it grew the scale exactly when it completed
+            # a growth interval. Knowing which, an overflow right after a growth (x2 then x0.5: the
+            # scale looks unchanged) is counted too.
+            growth = float(getattr(scaler, "_growth_factor", 2.0))
+            interval = int(getattr(scaler, "_growth_interval", 2000) or 2000)
+            grew = self._last_tracker + 1 >= interval
+            factors = [growth, 1.0] if grew else [1.0, growth]
         return _steps_between(self._last_scale, scale, backoff, factors)
 
     def close(self) -> None:
@@ -307,7 +363,14 @@ class AmpMonitor:
         first = engine.step_counts[0]
         if hidden:
             engine.step_counts[0] += hidden
-            self._grow_streak(first, hidden, before=scale / scaler_backoff(scaler) ** hidden, after=scale)
+            # Losses observed after the last checked step belong to these dropped steps (one read, at close).
+            losses = [float(l.detach().float().mean()) for l in engine._losses]
+            bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+            self._grow_streak(first, hidden, before=scale / scaler_backoff(scaler) ** hidden, after=scale,
+                              loss_nonfinite=bad is not None)
+            if bad is not None:
+                step = first + bad if len(losses) == hidden else first
+                self._report_dropped_loss(StepStats(step=step), step, losses[bad], engine=engine, localize=False)
         done, self._streak = self._streak, None
         if done is None:
             return

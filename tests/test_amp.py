@@ -88,6 +88,68 @@ def test_step_numbers_count_the_steps_the_scaler_skipped() -> None:
     assert gw.summary().steps == 16
 
 
+def _scaled_loop(gw: Any, scaler: torch.amp.GradScaler, steps: int, *, overflow_at: tuple[int, ...] = (),
+                 nan_batch_at: int | None = None) -> list[bool]:
+    """fp32 model under a GradScaler; an overflow is simulated by an Inf gradient, a bad batch by a NaN input."""
+    model, opt = gw.engine.model, gw.engine.optimizers[0]
+    applied = []
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        if step == nan_batch_at:
+            x[0, 0] = float("nan")
+        loss = model(x).pow(2).mean()
+        gw.observe_loss(loss)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if step in overflow_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        applied.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+    return applied
+
+
+def _scaled_watch(growth_interval: int) -> tuple[Any, torch.amp.GradScaler]:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=growth_interval)
+    return gradwatch.watch(model, opt, console=text_console(), scaler=scaler), scaler
+
+
+@pytest.mark.parametrize("growth_interval", [1, 100], ids=["scale-grows-every-step", "scale-steady"])
+def test_nan_batch_dropped_by_the_scaler_is_reported_at_its_step_and_the_next_update_applied(growth_interval: int) -> None:
+    gw, scaler = _scaled_watch(growth_interval)
+    with gw:
+        applied = _scaled_loop(gw, scaler, 10, nan_batch_at=5)
+    assert applied == [True] * 5 + [False] + [True] * 4  # only the NaN step is dropped (by the scaler)
+    assert gw.engine.steps_skipped == 0
+    found = kinds(gw.findings)
+    assert ("nonfinite_loss", 5) in found and ("nonfinite_input", 5) in found
+    assert ("amp_overflow", 5) in found
+    assert not [f for f in gw.findings if f.step != 5], found
+    assert "not a normal overflow" in next(f.message for f in gw.findings if f.kind == "nonfinite_loss")
+
+
+def test_nan_batch_on_the_last_step_dropped_by_the_scaler_is_reported_at_close() -> None:
+    gw, scaler = _scaled_watch(100)
+    with gw:
+        _scaled_loop(gw, scaler, 8, nan_batch_at=7)
+    assert ("nonfinite_loss", 7) in kinds(gw.findings)
+
+
+def test_overflow_right_after_the_scale_grew_is_counted_and_steps_stay_aligned() -> None:
+    # growth_interval=1: every update doubles the scale, so an overflow right after one leaves the scale
+    # where it was (x2 then x0.5).
+    gw, scaler = _scaled_watch(1)
+    with gw:
+        _scaled_loop(gw, scaler, 12, overflow_at=(4, 8), nan_batch_at=11)
+    found = kinds(gw.findings)
+    assert [s for k, s in found if k == "amp_overflow"] == [4, 8, 11]
+    assert ("nonfinite_loss", 11) in found
+    assert gw.summary().steps == 12
+
+
 def test_skip_stays_exact_under_amp() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

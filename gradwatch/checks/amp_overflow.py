@@ -41,8 +41,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 message=(
                     f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): the "
                     f"scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
-                    f"{new_scale}. This is how dynamic loss scaling finds its scale; a few such steps, mostly "
-                    "early in training, are normal and need no action."
+                    f"{new_scale}. "
+                    + (
+                        "The loss itself was NaN/Inf on that step, which scaling never causes: see the "
+                        "nonfinite_loss finding."
+                        if amp.get("loss_nonfinite")
+                        else "This is how dynamic loss scaling finds its scale; a few such steps, mostly "
+                        "early in training, are normal and need no action."
+                    )
                 ),
                 data=data,
             )
