@@ -78,6 +78,7 @@ from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
 from gradwatch.report import internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
+from gradwatch.tracing import _is_compiled
 
 #: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
 MAX_CALLS = 64
@@ -351,7 +352,9 @@ class Escalation:
         self._window_left = self.engine.config.escalate_steps
         self._window_start = step
         self.engine.escalated = True
-        if self.integration == "plain" and self.model is not None:
+        if self.integration == "plain" and self.model is not None and not _is_compiled(self.model):
+            # A compiled model's forward runs inside Dynamo's trace, where the live localizer's function
+            # modes would cost graph breaks and recompiles: there the window is anomaly mode only.
             self._live = Localizer(self.model)
             self._live.install_module_hooks()
             self._window_hooks.append(

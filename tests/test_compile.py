@@ -106,3 +106,22 @@ def test_lightning_fit_of_a_compiled_module_names_the_original_paths() -> None:
     trainer.fit(torch.compile(model, backend=BACKEND))
     (f,) = [f for f in cb.findings if f.kind == "none_grad"]
     assert f.params == ("aux_head.weight", "aux_head.bias")
+
+
+def test_escalation_window_after_an_incident_adds_no_graph_break() -> None:
+    model, compiled = compiled_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dynamo.reset()
+    counters.clear()
+    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+        for step in range(7):  # a NaN batch at step 2; steps 3-5: the escalation window
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+            if step == 2:
+                x[0, 0] = float("nan")
+            loss = compiled(x).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert ("nonfinite_input", 2) in [(f.kind, f.step) for f in gw.findings]
+    assert (graph_breaks(), counters["stats"]["unique_graphs"]) == (0, 1)
