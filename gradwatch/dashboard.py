@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.magnitude import layer_key
+from gradwatch.stats import layer_key
 
 #: Title of the Custom Scalars category gradwatch writes.
 CATEGORY = "gradwatch"

@@ -96,11 +96,6 @@ def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
     return wrapper
 
 
-def layer_key(module: str | None) -> str:
-    """The layer name used in ``StepStats.layer_norms`` for a parameter's owning module."""
-    return "<root>" if module == "" else ("<foreign>" if module is None else module)
-
-
 def param_norms_of(stats: Any, history: Any) -> dict[str, float]:
     """Per-layer parameter norms: this step's measurement, else the latest remembered one."""
     now = stats.extra.get("param_norms")

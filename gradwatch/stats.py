@@ -258,6 +258,12 @@ def total_norm(norms: list[float]) -> float:
     return math.sqrt(s) if math.isfinite(s) else s
 
 
+def layer_key(module: str | None) -> str:
+    """The layer name used in ``StepStats.layer_norms`` for a parameter's owning module: its path,
+    ``<root>`` for the model itself, ``<foreign>`` for parameters the model does not own."""
+    return "<root>" if module == "" else ("<foreign>" if module is None else module)
+
+
 #: Layer plans of recently seen ``modules`` lists (by identity; the engine passes the same list each step).
 _LAYER_PLANS: dict[int, tuple[list[str | None], int, list[str], list[tuple[int, ...]]]] = {}
 
@@ -268,7 +274,7 @@ def _layer_plan(modules: list[str | None]) -> tuple[list[str], list[tuple[int, .
         return cached[2], cached[3]
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(modules):
-        groups.setdefault("<root>" if m == "" else ("<foreign>" if m is None else m), []).append(i)
+        groups.setdefault(layer_key(m), []).append(i)
     keys = list(groups)
     idx = [tuple(v) for v in groups.values()]
     if len(_LAYER_PLANS) >= 16:
@@ -290,7 +296,7 @@ def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, floa
             return dict(zip(keys, vals))
     acc: dict[str, float] = {}
     for m, v in zip(modules, norms):
-        key = "<root>" if m == "" else ("<foreign>" if m is None else m)
+        key = layer_key(m)
         acc[key] = acc.get(key, 0.0) + v * v
     return {k: math.sqrt(v) if math.isfinite(v) else v for k, v in acc.items()}
 

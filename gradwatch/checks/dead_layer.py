@@ -13,7 +13,7 @@ import math
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
-from gradwatch.stats import StepStats, layer_norms
+from gradwatch.stats import StepStats, layer_key, layer_norms
 
 _KEY = "dead_layer"
 
@@ -40,7 +40,7 @@ def _frozen_layers(stats: StepStats) -> set[str]:
         return set()
     trainable: dict[str, bool] = {}
     for p, m in zip(params, stats.modules):
-        key = "<root>" if m == "" else ("<foreign>" if m is None else m)
+        key = layer_key(m)
         trainable[key] = trainable.get(key, False) or bool(getattr(p, "requires_grad", True))
     return {k for k, t in trainable.items() if not t}
 
@@ -54,7 +54,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     new = [k for k in zero if streaks.get(k, 0) + 1 == config.dead_steps]
     if not new:
         return []
-    params = tuple(n for n, m in zip(stats.names, stats.modules) if (("<root>" if m == "" else m) in new))
+    params = tuple(n for n, m in zip(stats.names, stats.modules) if layer_key(m) in new)
     return [
         Finding(
             kind="dead_layer",
