@@ -243,16 +243,18 @@ class AmpMonitor:
         flag is taken off this step, whose update is healthy and must go through."""
         stats: StepStats = ctx.stats
         slot = ctx.slots.get("loss", -1)
-        if not stats.loss_nonfinite or stats.nonfinite or slot < 0:
+        current = values[slot] if slot >= 0 else []
+        stale = list(stats.extra.get("stale_losses") or ())  # losses of backward passes whose gradients were cleared
+        losses = stale + current
+        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is None or stats.nonfinite or (current and not math.isfinite(current[-1])):
             return None
-        losses = values[slot]
-        if not losses or not math.isfinite(losses[-1]):
-            return None
-        bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
         # One observed loss per iteration maps each to its step; otherwise the first dropped step.
         step = first + bad if len(losses) == hidden + 1 else first
-        stats.loss_nonfinite = False
-        stats.loss = losses[-1]
+        stats.extra.pop("stale_losses", None)  # reported here, with its step
+        if current:
+            stats.loss_nonfinite = False
+            stats.loss = current[-1]
         return step, losses[bad]
 
     def _report_dropped_loss(self, stats: StepStats, step: int, loss: float, engine: Any = None,

@@ -115,6 +115,10 @@ class Engine:
         #: Called with every loss tensor given to :meth:`observe_loss`, before it is detached (O(1) each).
         self.loss_observers: list[Any] = []
         self._losses: list[torch.Tensor] = []
+        # Losses of earlier backward passes whose gradients were cleared without an optimizer step (a
+        # skipped batch): read with the next step, never held against its update.
+        self._stale_losses: list[torch.Tensor] = []
+        self._loss_mark = 0  # len(self._losses) when the latest backward pass reached the gradients
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -246,6 +250,24 @@ class Engine:
                 f"observe_loss() takes the loss as a tensor or a number, got {type(loss).__name__}: {loss!r:.80}"
             )
 
+    def backward_reached(self) -> None:
+        """A backward pass reached the gradients: the losses observed so far are its (or earlier) ones."""
+        self._loss_mark = len(self._losses)
+
+    def gradients_cleared(self) -> None:
+        """The gradients were cleared (``zero_grad``) since the latest backward pass and no optimizer step
+        took them: the losses observed up to that backward went with gradients nobody used."""
+        mark, self._loss_mark = self._loss_mark, 0
+        if mark:
+            self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
+            del self._losses[:mark]
+
+    def drop_losses(self) -> None:
+        """Forget the observed losses (a step not checked, or one whose check failed)."""
+        self._losses.clear()
+        self._stale_losses = []
+        self._loss_mark = 0
+
     def should_check(self, opt_index: int, step: int | None = None) -> bool:
         s = self.step_counts[opt_index] if step is None else step
         return not self._closed and s % self.config.every == 0
@@ -267,7 +289,7 @@ class Engine:
             return "ok"
         s = self.step_counts[opt_index] if step is None else step
         if not (s % self.config.every == 0 if due is None else due):
-            self._losses.clear()
+            self.drop_losses()
             return "ok"
         try:
             stats, findings = self._observe_and_check(opt_index, s)
@@ -275,7 +297,7 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - never make training worse
             internal_warning("check_step", exc, owner=self)
-            self._losses.clear()
+            self.drop_losses()
             return "ok"
         if stats is None:
             return "ok"
@@ -332,8 +354,16 @@ class Engine:
                 losses = [l if l.device == device else l.to(device, non_blocking=True) for l in losses]
                 loss_slot = batch.add(torch.stack(losses))
             self._losses = []
+        self._loss_mark = 0
+        stale_slot = -1
+        if self._stale_losses:
+            device = grads[0].device if grads else self._stale_losses[0].device
+            stale = [l.float().mean().reshape(1).to(device, non_blocking=True) for l in self._stale_losses]
+            stale_slot = batch.add(torch.cat(stale))
+            self._stale_losses = []
         ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self, norm_slots=norm_slots)
         ctx.slots["loss"] = loss_slot
+        ctx.slots["stale_loss"] = stale_slot
         self._call("before_sync", ctx)
         if self.config.deferred:
             previous = self._pending
@@ -345,6 +375,8 @@ class Engine:
             stats, batch, (norm_slots, loss_slot, ctx) = previous
             grads = []  # the previous step's gradients are gone; no element-wise counts
         self._fill(stats, batch, norm_slots, loss_slot, grads)
+        if ctx.slots.get("stale_loss", -1) >= 0:
+            stats.extra["stale_losses"] = batch.resolve()[ctx.slots["stale_loss"]]  # already read: no sync
         self._call("after_sync", ctx)
         findings = self._run_checks(stats)
         if stats.is_nonfinite or stats.extra.get("any_rank_nonfinite"):

@@ -190,7 +190,7 @@ class Watcher:
         self._pending_snapshot.pop(index, None)
         if index in self._closure_step:
             self._closure_step.discard(index)
-            self.engine._losses.clear()  # later line-search evaluations of this step
+            self.engine.drop_losses()  # later line-search evaluations of this step
         self.engine.step_done(index)
 
 

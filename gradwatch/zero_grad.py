@@ -29,6 +29,11 @@ that came after the last backward (``zero_grad(set_to_none=False)`` called betwe
 value right after backward: once a step looks like that, the post-accumulate hook queues one lazy scalar
 per backward until a step no longer does, so such a finding comes one step later.
 
+With one optimizer the same two hooks also tell the engine which observed losses belong to the
+step: a backward pass that finds the gradient cleared since the previous backward pass (``zero_grad``
+with no optimizer step in between: a batch the training code skipped, or one a GradScaler dropped)
+moves the losses observed up to that previous pass aside, so they never decide the next step's update.
+
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
 backward passes counted, state), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
@@ -74,6 +79,10 @@ class _Tracker:
         self.post_version = 0
         self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
         self.watch_after_backward = False  # queue post_nonzero (armed by a suspicious step)
+        # Engine callbacks (single-optimizer runs): a backward pass reached the representative; its
+        # gradient was cleared since the previous backward pass.
+        self.on_backward: Any = None
+        self.on_cleared: Any = None
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
@@ -87,6 +96,10 @@ class _Tracker:
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
         try:
+            if self.on_cleared is not None and self.post_ref is not None:
+                g = self.rep.grad if self.rep is not None else None
+                if g is None or g is not self.post_ref() or g._version != self.post_version:
+                    self.on_cleared()
             if self.base_ref is None or self.cleared or self.rep is None:
                 return
             g = self.rep.grad
@@ -112,6 +125,8 @@ class _Tracker:
             self.accumulations += 1
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
+            if self.on_backward is not None:
+                self.on_backward()
             if self.watch_after_backward and not g.is_sparse:
                 self.post_nonzero = g.any()
             else:
@@ -153,6 +168,9 @@ class ZeroGradTracker:
             if candidates:
                 p, n = min(candidates, key=lambda c: c[0].numel())
                 t.hook(p, n)
+        if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
+            self.trackers[0].on_backward = engine.backward_reached
+            self.trackers[0].on_cleared = engine.gradients_cleared
 
     def before_sync(self, ctx: Any) -> None:
         stats = ctx.stats

@@ -410,3 +410,48 @@ def test_model_without_trainable_parameters_warns_once(lightning_pytorch: Any) -
     assert len(ours) == 1
     assert "has no trainable parameters" in str(ours[0].message)
     assert cb.engine is None and cb.findings == []
+
+
+# https://lightning.ai/docs/pytorch/stable/common/optimization.html (stepping every other batch)
+def test_nan_loss_on_a_batch_that_makes_no_step_does_not_skip_the_next_healthy_update() -> None:
+    pl = lightning_namespace("lightning.pytorch")
+
+    class EveryOther(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            return loss * float("nan") if batch_idx == 3 else loss
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+            if batch_idx % 2 == 0:
+                optimizer.step(closure=optimizer_closure)
+            else:
+                optimizer_closure()  # loss and backward, no step: the next closure zeroes the gradients
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
+    changed: dict[int, bool] = {}
+
+    class Changes(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            self.before = _params(pl_module)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            after = _params(pl_module)
+            changed[i] = any(not torch.equal(after[k], self.before[k]) for k in after)
+
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(pl, [Changes(), cb], max_steps=-1, max_epochs=1)
+    trainer.fit(EveryOther(), torch.utils.data.DataLoader(data, batch_size=None))
+    assert changed == {0: True, 1: False, 2: True, 3: False, 4: True, 5: False, 6: True, 7: False}
+    assert cb.engine.steps_skipped == 0
+    (f,) = cb.findings
+    assert (f.kind, f.severity, f.data["no_update"]) == ("nonfinite_loss", "warning", True)

@@ -564,3 +564,29 @@ def test_repeated_findings_are_rate_limited_on_the_console():
     out = buf.getvalue()
     assert out.count("nonfinite_grad at step") == 2
     assert "further 'nonfinite_grad' findings are recorded but not printed" in out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_batch_the_user_skipped_does_not_skip_the_next_healthy_update(set_to_none: bool) -> None:
+    # The user guards the step: no optimizer.step() when the gradients are non-finite, then zero_grad.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    applied = []
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step, x in enumerate(batches(8)):
+            loss = model(x).pow(2).mean()
+            if step == 3:
+                loss = loss * float("nan")
+            gw.observe_loss(loss)
+            loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            applied.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+    assert applied == [True, True, True, False, True, True, True, True]
+    assert gw.engine.steps_skipped == 0
+    (f,) = gw.findings
+    assert (f.kind, f.severity, f.step) == ("nonfinite_loss", "warning", 3)
+    assert "no update used it" in f.message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
@@ -17,6 +19,25 @@ _ACTION = {
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     out: list[Finding] = []
     action = _ACTION[config.on_nonfinite]
+    stale = [v for v in stats.extra.get("stale_losses") or () if not math.isfinite(v)]
+    if stale:
+        out.append(
+            Finding(
+                kind="nonfinite_loss",
+                step=stats.step,
+                severity="warning",
+                message=(
+                    f"The loss was {stale[0]} on a backward pass before step {stats.step} whose gradients were "
+                    "cleared without an optimizer step (a batch the training code skipped), so no update used "
+                    f"it; step {stats.step}'s own loss and gradients are checked as usual.\nWhy it matters: "
+                    "the NaN/Inf came from the data or the forward pass and will come back with similar "
+                    "batches.\nFix: check that batch for NaN/Inf, and look for log/sqrt/division of zero or "
+                    "negative values in the loss (add an epsilon, clamp logits)."
+                ),
+                data={"loss": stale[0], "count": len(stale), "optimizer": stats.optimizer_index,
+                      "no_update": True},
+            )
+        )
     if stats.loss_nonfinite:
         out.append(
             Finding(
