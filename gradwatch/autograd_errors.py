@@ -730,8 +730,22 @@ def _no_grad_graph(ctx: _Context) -> Finding:
             "evaluation is around it)."
         )
     else:
-        cause_key = "detached"
         connected = _graph_locals(ctx, exclude=loss)
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad] if model is not None else []
+        if frozen and not connected:
+            # Nothing in the user's code has a graph and part of the model is frozen: the loss path runs
+            # through frozen layers only (a detach would leave the model's output with a graph).
+            cause_key = "frozen_path"
+            causes.append(
+                f"the layers the loss goes through are frozen: {len(frozen)} of {len(frozen) + len(trainable)} "
+                f"parameters have requires_grad=False ({names_text(frozen)}), and nothing in the forward has "
+                "a graph. Unfreeze the layers you mean to train (`module.requires_grad_(True)`); if they are "
+                "meant to stay frozen, the loss must depend on a trainable parameter. (If the loss path is "
+                "trainable after all, the graph was cut between the output and the loss: `.detach()`, "
+                "`.item()`, `.data`.)"
+            )
+    if cause_key == "unknown":
+        cause_key = "detached"
         hint = ""
         if connected:
             hint = (

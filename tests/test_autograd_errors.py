@@ -347,6 +347,23 @@ def test_no_grad_graph_from_frozen_parameters() -> None:
     assert "requires_grad=False" in f.message
 
 
+def test_no_grad_graph_through_frozen_layers_with_another_trainable_parameter_says_frozen() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model.temperature = nn.Parameter(torch.ones(()))  # trainable, but not on this loss's path
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model.encoder.requires_grad_(False)
+        model.head.requires_grad_(False)
+        model(x).pow(2).mean().backward()
+
+    with pytest.raises(RuntimeError, match=NO_GRAD_MESSAGE):
+        run(model, body)
+    f = only(run.gw, "no_grad_graph")  # type: ignore[attr-defined]
+    assert f.data["cause"] == "frozen_path"
+    assert "requires_grad=False" in f.message and "head.weight" in f.message
+
+
 def test_no_grad_graph_from_an_item_round_trip_names_the_variable_with_a_graph() -> None:
     torch.manual_seed(0)
     model = Net()
