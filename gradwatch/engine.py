@@ -125,6 +125,7 @@ class Engine:
         self._suppressed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._suppressed_state: list[tuple[torch.optim.Optimizer, dict[Any, Any]]] = []
         self._pending: tuple[StepStats, SyncBatch, Any] | None = None
+        self._reevaluation_reported: set[int] = set()  # optimizers whose non-finite re-evaluation was reported
         self._norm_samples: list[float] = []
         self._layer_tags: dict[str, str] = {}
         self._last_counters: dict[str, float] = {}
@@ -562,6 +563,73 @@ class Engine:
         snap = state_snapshot if state_snapshot is not None else self.snapshot_state(opt_index)
         self._suppressed_state.append((opt, {"known": snap, "params": list(op.params)}))
 
+    def guard_reevaluation(self, opt_index: int, loss: Any, evaluation: int, step: int | None = None,
+                           *, large_loss: bool = False) -> bool:
+        """A closure optimizer (LBFGS) evaluated the closure again within a checked step: are this
+        evaluation's loss and gradients finite? Returns True when they are (or when gradwatch cannot tell).
+
+        When they are not: a finding at this step (the first time in the run), and under ``on_nonfinite="skip"`` every gradient of
+        the optimizer is set to None (LBFGS reads that as a zero gradient and ends its iterations, or its
+        line search backs off when ``large_loss``, the caller's promise to hand back a large finite loss);
+        ``"raise"`` raises :class:`GradWatchError`. One read per evaluation, next to the optimizer's own
+        ``float(loss)`` of it.
+        """
+        if self._closed or self.config.deferred:
+            return True
+        try:
+            finding = self._reevaluation_finding(opt_index, loss, evaluation, step, large_loss)
+        except Exception as exc:  # noqa: BLE001 - never make training worse
+            internal_warning("guard_reevaluation", exc, owner=self)
+            return True
+        if finding is None:
+            return True
+        policy = self.config.on_nonfinite
+        if policy != "warn":
+            for p in self.index.per_optimizer[opt_index].params:
+                p.grad = None
+        if opt_index not in self._reevaluation_reported:  # once per run: a line search may meet it every step
+            self._reevaluation_reported.add(opt_index)
+            self.add_finding(finding)
+        if policy == "raise":
+            raise GradWatchError(_error_text(None, [finding], "on_nonfinite='raise'"), [finding])
+        return False
+
+    def _reevaluation_finding(self, opt_index: int, loss: Any, evaluation: int, step: int | None,
+                              large_loss: bool) -> Finding | None:
+        from gradwatch.checks import nonfinite
+
+        op = self.index.per_optimizer[opt_index]
+        names = [n for p, n in zip(op.params, op.names) if p.grad is not None]
+        grads = [p.grad for p in op.params if p.grad is not None]
+        batch = SyncBatch()
+        slots = queue_grad_norms(batch, grads)
+        loss_slot = -1
+        if isinstance(loss, torch.Tensor) and loss.numel() > 0 and not loss.is_meta:
+            loss_slot = batch.add(loss.detach().float().mean().reshape(1))
+        if not slots and loss_slot < 0:
+            return None
+        values = batch.resolve()
+        norms = read_grad_norms(values, slots, len(grads))
+        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        lv = values[loss_slot][0] if loss_slot >= 0 else None
+        counts = count_nonfinite(names, grads, suspects)
+        bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
+        if not bad and (lv is None or math.isfinite(lv)):
+            return None
+        opt = op.optimizer
+        return nonfinite.reevaluation(
+            step=self.step_counts[opt_index] if step is None else step,
+            optimizer_index=opt_index,
+            optimizer_name=type(opt).__name__ if opt is not None else "the optimizer",
+            evaluation=evaluation,
+            loss=lv,
+            bad_params=bad,
+            counts=counts,
+            total_params=len(names),
+            policy=self.config.on_nonfinite,
+            returned_large_loss=large_loss and self.config.on_nonfinite == "skip",
+        )
+
     def snapshot_state(self, opt_index: int) -> dict[Any, Any]:
         """Shallow copy of the optimizer state entries of ``opt_index`` (for an exact skip)."""
         op = self.index.per_optimizer[opt_index]
@@ -680,8 +748,18 @@ class Engine:
         self.history.load_state_dict(state.get("history", {}))
 
 
-def _error_text(stats: StepStats, findings: list[Finding], why: str) -> str:
-    lines = [f"gradwatch stopped training at step {stats.step} ({why}):"]
+def failed_trial_loss(loss: Any) -> Any:
+    """What a guarded closure hands back for a non-finite re-evaluation (see
+    :meth:`Engine.guard_reevaluation`): a finite loss far above any real one, shaped like ``loss``, which
+    a line search reads as a failed trial and backs off from; float32 so it cannot overflow."""
+    if isinstance(loss, torch.Tensor):
+        return torch.full(loss.shape, 1e30, dtype=torch.float32, device=loss.device)
+    return 1e30
+
+
+def _error_text(stats: StepStats | None, findings: list[Finding], why: str) -> str:
+    step = stats.step if stats is not None else findings[0].step
+    lines = [f"gradwatch stopped training at step {step} ({why}):"]
     for f in findings:
         if f.severity == "error":
             lines.append(f"  {f.title}")

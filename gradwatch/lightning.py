@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gradwatch.config import Config, OnNonfinite, make_config
-from gradwatch.engine import Engine
+from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
 from gradwatch.report import internal_warning
@@ -136,6 +136,9 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._in_step: set[int] = set()  # inside optimizer.step() (step pre-hook ran, post-hook not yet)
         self._checked: set[int] = set()  # checked, step not yet counted
         self._backward_seen = False
+        # A closure optimizer's (LBFGS) later evaluations within a checked step: optimizer -> [count, loss,
+        # whether the latest one was non-finite].
+        self._reevaluations: dict[int, list[Any]] = {}
         self._loss_scale = 1.0
         self._automatic = True
 
@@ -222,6 +225,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
         self._in_step.clear()
         self._checked.clear()
+        self._reevaluations.clear()
         self._backward_seen = False
         for i, opt in enumerate(optimizers):
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._before_step, i)))
@@ -249,7 +253,11 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             return
         self._backward_seen = True
         if self._in_step & self._checked:
-            return  # a closure optimizer (LBFGS) re-evaluating a step that was already checked
+            # A closure optimizer (LBFGS) re-evaluating a step that was already checked.
+            for i in self._in_step & self._checked:
+                if i in self._reevaluations and isinstance(loss, torch.Tensor):
+                    self._reevaluations[i][1] = loss.detach()
+            return
         if isinstance(loss, torch.Tensor) and loss.numel() > 0:
             loss = loss.detach()
             engine.observe_loss(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
@@ -262,7 +270,15 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         if i is None:
             return
         if i in self._in_step and i in self._checked:
-            return  # LBFGS calls the closure, and with it this hook, several times per step
+            # LBFGS calls the closure, and with it this hook, several times per step: guard the later ones.
+            seen = self._reevaluations.get(i)
+            if seen is not None:
+                seen[0] += 1
+                seen[2] = not engine.guard_reevaluation(
+                    i, seen[1], seen[0], step=int(trainer.global_step), large_loss=True
+                )
+                seen[1] = None
+            return
         if i in self._checked:
             # The previous step of this optimizer never ran (an AMP scaler skipped it); this step's
             # backward already happened, so keep its flag.
@@ -271,12 +287,30 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         if self._automatic and not self._backward_seen:
             return  # training_step returned None: Lightning skips backward and the step updates nothing
         self._backward_seen = False
-        decision = engine.check_step(i, step=int(trainer.global_step), due=engine.should_check(i))
+        due = engine.should_check(i)
+        decision = engine.check_step(i, step=int(trainer.global_step), due=due)
         if decision == "skip":
             engine.suppress_update(i)
+        elif due and i in self._in_step:
+            self._reevaluations[i] = [1, None, False]
 
-    def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> Any:
         self._in_step.add(index)
+        closure = kwargs.get("closure")
+        if closure is None or not callable(closure):
+            return None
+
+        def gradwatch_closure() -> Any:
+            # Lightning's closure runs training_step, backward and on_before_optimizer_step (the check, and
+            # for an LBFGS re-evaluation the guard); a guarded non-finite evaluation becomes a failed trial.
+            loss = closure()
+            seen = self._reevaluations.get(index)
+            if seen is not None and seen[2] and self.engine is not None and self.engine.config.on_nonfinite == "skip":
+                seen[2] = False
+                return failed_trial_loss(loss)
+            return loss
+
+        return args, dict(kwargs, closure=gradwatch_closure)
 
     def _after_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._in_step.discard(index)
@@ -287,6 +321,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
     def _finish(self, index: int, new_cycle: bool = True) -> None:
         self._checked.discard(index)
+        self._reevaluations.pop(index, None)
         if new_cycle:
             self._backward_seen = False
         engine = self.engine
@@ -341,6 +376,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             self._anomaly = None
         self._in_step.clear()
         self._checked.clear()
+        self._reevaluations.clear()
         self._trainer = None
 
     def _remove_hooks(self) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from gradwatch.config import make_config
 from gradwatch.distributed import is_rank_zero
-from gradwatch.engine import Engine
+from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
 from gradwatch.report import internal_warning
@@ -168,22 +168,31 @@ class Watcher:
         return None
 
     def _wrap_closure(self, index: int, closure: Callable[[], Any]) -> Callable[[], Any]:
-        first = [True]
+        evaluations = [0]
+        guarded = [False]
 
         def gradwatch_closure() -> Any:
             loss = closure()
-            if first[0]:
-                first[0] = False
+            evaluations[0] += 1
+            if evaluations[0] == 1:
                 if isinstance(loss, torch.Tensor) and loss.numel() > 0:
                     self.engine.observe_loss(loss)
-                self._check(index)
+                due = self.engine.should_check(index)
+                guarded[0] = self._check(index) == "ok" and due
+            elif guarded[0] and not self.engine.guard_reevaluation(index, loss, evaluations[0], large_loss=True):
+                # LBFGS iterates (and line-searches) within one step: this evaluation is non-finite. Its
+                # gradients are hidden (None); a large finite loss makes it a failed trial, not a NaN one.
+                if self.engine.config.on_nonfinite == "skip":
+                    return failed_trial_loss(loss)
             return loss
 
         return gradwatch_closure
 
-    def _check(self, index: int) -> None:
-        if self.engine.check_step(index) == "skip":
+    def _check(self, index: int) -> str:
+        decision = self.engine.check_step(index)
+        if decision == "skip":
             self.engine.suppress_update(index, self._pending_snapshot.pop(index, None))
+        return decision
 
     def _post_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.engine.restore_grads()

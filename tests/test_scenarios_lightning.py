@@ -321,6 +321,39 @@ def test_lbfgs_nan_step_is_skipped_at_the_right_global_step() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class Boundary(Snapshots):
+    """A physics-informed style fit with LBFGS: sqrt(1 - w^2) is NaN (value and gradient) past |w| = 1,
+    and the pull towards 1.5 makes LBFGS's iterations within one step cross it."""
+
+    def __init__(self, line_search: str | None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.0, 0.1]))
+        self.line_search = line_search
+        self.snaps = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return -torch.sqrt(1 - self.w.pow(2)).sum() * 0.1 + ((self.w - 1.5) ** 2).sum() * 5
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS([self.w], lr=1.0, max_iter=10, line_search_fn=self.line_search)
+
+    def train_dataloader(self) -> Any:
+        return loader()
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/5953 (LBFGS turns the weights NaN)
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
+def test_lbfgs_iteration_into_nan_within_a_step_is_reported_at_its_step_and_never_applied(line_search: Any) -> None:
+    ns = ns_of("lightning.pytorch")
+    cb = callback()
+    model = build(ns, Boundary, line_search)
+    trainer(ns, cb, max_steps=4).fit(model)
+    first = [f for f in cb.findings if f.kind in NONFINITE][0]
+    assert (first.kind, first.step) == ("nonfinite_loss", 0), show(cb.findings)
+    assert first.data["closure_evaluation"] > 1, first.data
+    assert torch.isfinite(model.w).all(), model.w
+
+
 # https://lightning.ai/docs/pytorch/stable/advanced/transfer_learning.html (BackboneFinetuning)
 def test_backbone_finetuning_callback_freeze_then_unfreeze_is_silent() -> None:
     ns = ns_of("lightning.pytorch")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import io
 import json
 import os
@@ -321,6 +322,60 @@ def test_lbfgs_checks_the_gradients_of_the_closure():
                 assert same_state(before, snapshot(model, opt))
     assert [k for k in kinds(gw) if k[0].startswith("nonfinite")] == [("nonfinite_loss", 3), ("nonfinite_grad", 3)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _boundary_problem(line_search: str | None):
+    """The pull towards 1.5 drives w past |w| = 1, where sqrt(1 - w^2) and its gradient turn NaN: LBFGS's
+    iterations within one step cross it (https://github.com/pytorch/pytorch/issues/5953)."""
+    w = torch.nn.Parameter(torch.tensor([0.0, 0.1]))
+    model = torch.nn.Module()
+    model.w = w
+    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=10, line_search_fn=line_search)
+
+    def closure():
+        opt.zero_grad()
+        loss = -torch.sqrt(1 - w.pow(2)).sum() * 0.1 + ((w - 1.5) ** 2).sum() * 5
+        loss.backward()
+        return loss
+
+    return model, opt, closure
+
+
+def test_lbfgs_line_search_stepping_into_nan_is_reported_at_its_step_and_backs_off():
+    model, opt, closure = _boundary_problem("strong_wolfe")
+    with gradwatch.watch(model, opt, console=False) as gw:
+        losses = [float(opt.step(closure).detach()) for _ in range(5)]
+    # Unwatched, the line search accepts the NaN trial and every weight ends NaN.
+    found = [f for f in gw.findings if f.kind.startswith("nonfinite")]
+    assert [(f.kind, f.step) for f in found] == [("nonfinite_loss", 0)], kinds(gw)
+    assert found[0].data["closure_evaluation"] > 1 and "LBFGS" in found[0].message
+    assert torch.isfinite(model.w).all() and (model.w.abs() < 1).all()
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_lbfgs_nan_in_a_later_closure_evaluation_is_never_applied(policy: str):
+    model, opt, closure = _boundary_problem(None)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite=policy) as gw:
+        try:
+            opt.step(closure)
+        except gradwatch.GradWatchError as exc:
+            assert policy == "raise" and "step 0" in str(exc)
+        else:
+            assert policy == "skip"
+    # Unwatched, the NaN gradient of the 3rd evaluation becomes the next iteration's direction: NaN weights.
+    assert torch.isfinite(model.w).all()
+    first = gw.findings[0]
+    assert (first.kind, first.step, first.data["closure_evaluation"]) == ("nonfinite_loss", 0, 3)
+    assert first.params == ("w",)
+
+
+def test_lbfgs_nan_in_a_later_closure_evaluation_under_warn_is_reported_and_applied():
+    model, opt, closure = _boundary_problem(None)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="warn") as gw:
+        opt.step(closure)
+    assert [(f.kind, f.step) for f in gw.findings][:1] == [("nonfinite_loss", 0)]
+    assert "on_nonfinite='warn'" in gw.findings[0].message
 
 
 def test_healthy_lbfgs_is_silent():

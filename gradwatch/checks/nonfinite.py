@@ -94,5 +94,72 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     return out
 
 
+#: What gradwatch did about a non-finite closure re-evaluation, per policy.
+_REEVAL_ACTION = {
+    "skip": (
+        "gradwatch hid these gradients from the optimizer{returned}, so nothing non-finite is applied: "
+        "the weights stay finite, at the point this evaluation was made (earlier iterations of this step "
+        "had already moved them). Later evaluations like this one are handled the same way without another "
+        "report."
+    ),
+    "warn": "on_nonfinite='warn': the optimizer uses them, so expect NaN weights from here on.",
+    "raise": (
+        "on_nonfinite='raise': training stops inside this step; the weights are finite, at the point this "
+        "evaluation was made."
+    ),
+}
+
+
+def reevaluation(
+    step: int,
+    optimizer_index: int,
+    optimizer_name: str,
+    evaluation: int,
+    loss: float | None,
+    bad_params: list[str],
+    counts: tuple[dict[str, int], dict[str, int]],
+    total_params: int,
+    policy: str,
+    returned_large_loss: bool,
+) -> Finding:
+    """A closure optimizer (LBFGS) evaluated the closure again within a checked step and this
+    evaluation's loss or gradients are NaN/Inf, although the first evaluation's were finite."""
+    nan, inf = counts
+    loss_bad = loss is not None and not math.isfinite(loss)
+    what = []
+    if loss_bad:
+        what.append(f"the loss is {loss}")
+    if bad_params:
+        what.append(
+            f"{len(bad_params)} of {total_params} gradients hold non-finite values "
+            f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
+        )
+    returned = " and gave it a very large finite loss for this evaluation (a failed trial: a line search backs off)" if returned_large_loss else ""
+    action = _REEVAL_ACTION[policy].format(returned=returned)
+    return Finding(
+        kind="nonfinite_loss" if loss_bad else "nonfinite_grad",
+        step=step,
+        severity="error",
+        message=(
+            f"In step {step}, {optimizer_name} evaluated the closure again (evaluation {evaluation}; the first "
+            f"was finite and checked) and {' and '.join(what)}. {action}\n"
+            f"Why it matters: {optimizer_name} would turn these gradients into a NaN search direction and write "
+            "NaN into every weight and into its curvature history.\n"
+            "Fix: the iterations of one step reach weights where the loss is not finite: use "
+            "line_search_fn='strong_wolfe', lower lr or max_iter, or guard the loss (log/sqrt/division of "
+            "zero or negative values, exp overflow)."
+        ),
+        params=tuple(bad_params),
+        data={
+            "optimizer": optimizer_index,
+            "closure_evaluation": evaluation,
+            "loss": loss,
+            "nan_counts": dict(nan),
+            "inf_counts": dict(inf),
+            "policy": policy,
+        },
+    )
+
+
 def _fmt(v: float | None) -> str:
     return "non-finite" if v is None else str(v)
