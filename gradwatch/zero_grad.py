@@ -35,7 +35,7 @@ with no optimizer step in between: a batch the training code skipped, or one a G
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, state), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
+backward passes counted, state, the step of the previous check), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
 """
 
@@ -70,6 +70,7 @@ class _Tracker:
         # Baseline: the gradient the previous check saw.
         self.base_ref: weakref.ref[torch.Tensor] | None = None
         self.base_version = 0
+        self.base_step: int | None = None  # the step the baseline was taken at
         # Since the baseline.
         self.accumulations = 0
         self.cleared = False  # set to None, replaced, or zeroed with a version bump
@@ -190,6 +191,8 @@ class ZeroGradTracker:
             "param": t.rep_name if rep is not None else None,
             "backward_passes": t.accumulations,
             "state": self._state(t, g),
+            "previous_step": t.base_step,
+            "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
         }
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
@@ -215,6 +218,7 @@ class ZeroGradTracker:
                 if p is not t.rep:
                     t.hook(p, n)
         t.reset()
+        t.base_step = stats.step
 
     @staticmethod
     def _state(t: _Tracker, g: torch.Tensor | None) -> str:

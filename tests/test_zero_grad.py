@@ -90,6 +90,30 @@ def test_forgotten_zero_grad_is_printed_with_the_fix() -> None:
     assert "call optimizer.zero_grad() (or model.zero_grad()) once per step before loss.backward()" in text
 
 
+def test_forgotten_zero_grad_with_every_names_the_previous_checked_step() -> None:
+    gw = loop(lambda model, opt: None, steps=7, every=3)
+    assert zero_kinds(gw) == [("zero_grad_missing", 3)]
+    f = gw.findings[0]
+    assert f.data["previous_step"] == 0 and f.data["backward_passes"] == 3
+    assert "not cleared after the update of step 0 (3 backward passes" in f.message
+
+
+def test_forgotten_zero_grad_with_hand_written_updates_speaks_of_the_update_not_an_optimizer() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    with gradwatch.watch(model, console=False) as gw:
+        for x in batches(3):
+            model(x).pow(2).mean().backward()
+            if gw.check():
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+    text = gw.findings[0].message
+    assert "optimizer" not in text, text
+    assert text.startswith("the update was checked at step 1") and "call model.zero_grad() once per step" in text
+
+
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -34,28 +34,35 @@ def _missing(stats: StepStats) -> Finding:
     facts = stats.extra.get("zero_grad") or {}
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names)
-    previous = stats.step - 1
+    previous = facts.get("previous_step")
+    previous = stats.step - 1 if not isinstance(previous, int) else previous
+    with_optimizer = facts.get("has_optimizer", True)
+    who = f"optimizer {i} stepped" if with_optimizer else "the update was checked"
+    clear = "optimizer.zero_grad() (or model.zero_grad())" if with_optimizer else "model.zero_grad()"
+    wrong = f"called on another optimizer than optimizer {i}; " if with_optimizer else ""
+    after = "each optimizer.step()" if with_optimizer else "each update"
     return Finding(
         kind="zero_grad_missing",
         step=stats.step,
         severity="error",
         message=(
-            f"optimizer {i} stepped at step {stats.step} with gradients accumulated on top of the previous "
-            f"step's: they were not cleared after the update of step {previous} "
+            f"{who} at step {stats.step} with gradients accumulated on top of the previous step's: they were "
+            f"not cleared after the update of step {previous} "
             f"({passes} backward pass{'es' if passes != 1 else ''} since then added to them). "
             f"Parameters: {names_text(params)}.\n"
             "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
             "effective step size grows with every step and points in stale directions; the loss stalls or "
             "diverges.\n"
-            f"Fix: call optimizer.zero_grad() (or model.zero_grad()) once per step before loss.backward(). "
-            f"Usual causes: zero_grad never called; called on another optimizer than optimizer {i}; or called "
+            f"Fix: call {clear} once per step before loss.backward(). "
+            f"Usual causes: zero_grad never called; {wrong}or called "
             "before a backward() that belongs to the previous step. To accumulate over several micro-batches "
-            "on purpose, call zero_grad() right after each optimizer.step()."
+            f"on purpose, call zero_grad() right after {after}."
         ),
         params=params,
         data={
             "optimizer": i,
             "backward_passes": passes,
+            "previous_step": previous,
             "evidence_param": facts.get("param"),
             "count": len(params),
         },
