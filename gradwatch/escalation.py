@@ -395,9 +395,10 @@ class Escalation:
 
     def after_step(self, stats: Any, decision: str) -> None:
         if stats.optimizer_index == len(self.engine.step_counts) - 1:
-            # Release the step's inputs and output gradients as soon as no optimizer needs them.
+            # Release the step's inputs and output gradients as soon as no optimizer needs them. A
+            # Lightning batch stays until the next one starts: with several optimizers stepping inside
+            # one training_step (manual GAN), the last-listed one may step first.
             self._new_step()
-            self._batches = []
         if self._window_left > 0 and stats.optimizer_index == 0 and stats.step != self._window_start:
             self._window_left -= 1
             if self._window_left <= 0:

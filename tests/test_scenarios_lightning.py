@@ -654,11 +654,13 @@ def test_nan_in_one_micro_batch_under_accumulate_grad_batches_is_localized() -> 
 
 
 class ManualGANWithNaN(GANModule):
-    """Non-saturating generator loss written as -log(D(G(z))); one batch drives D(G(z)) to exactly 0."""
+    """Non-saturating generator loss written as -log(D(G(z))); one batch drives D(G(z)) to exactly 0.
+    ``d_first``: the discriminator (listed second) steps first, as in the DCGAN tutorial."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_first: bool = False) -> None:
         super().__init__()
         self.applied: list[str] = []
+        self.d_first = d_first
 
     def on_fit_start(self) -> None:
         for name, opt in zip(("G", "D"), self.optimizers()):
@@ -667,6 +669,8 @@ class ManualGANWithNaN(GANModule):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         real, _ = batch
         opt_g, opt_d = self.optimizers()
+        if self.d_first:
+            self._d_step(real, opt_d)
         fake = self.generator(torch.randn(real.shape[0], 4))
         p_fake = torch.sigmoid(self.discriminator(fake))
         if batch_idx == 2:
@@ -675,6 +679,10 @@ class ManualGANWithNaN(GANModule):
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         opt_g.step()
+        if not self.d_first:
+            self._d_step(real, opt_d)
+
+    def _d_step(self, real: torch.Tensor, opt_d: Any) -> None:
         d_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), torch.ones(real.shape[0], 1))
         opt_d.zero_grad()
         self.manual_backward(d_loss)
@@ -682,15 +690,17 @@ class ManualGANWithNaN(GANModule):
 
 
 # https://github.com/Lightning-AI/pytorch-lightning/issues/6282
-def test_manual_gan_nan_is_named_and_the_replay_steps_no_optimizer() -> None:
+@pytest.mark.parametrize("d_first", [False, True])
+def test_manual_gan_nan_is_named_and_the_replay_steps_no_optimizer(d_first: bool) -> None:
     ns = ns_of("lightning.pytorch")
     cb = callback()
-    model = build(ns, ManualGANWithNaN)
+    model = build(ns, ManualGANWithNaN, d_first)
     trainer(ns, cb, max_steps=10).fit(model)  # 5 batches, 2 optimizer steps each
-    assert {f.step for f in cb.findings if f.kind in NONFINITE} == {4}, show(cb.findings)
+    g_step = 5 if d_first else 4  # global_step counts both optimizers' steps
+    assert {f.step for f in cb.findings if f.kind in NONFINITE} == {g_step}, show(cb.findings)
     origin = of(cb.findings, "nan_origin")
-    assert origin and (origin[0].step, origin[0].op) == (4, "LogBackward0"), show(cb.findings)
-    assert model.applied == ["G", "D"] * 5  # optimizer.step() ran once per call in training_step, no more
+    assert origin and (origin[0].step, origin[0].op) == (g_step, "LogBackward0"), show(cb.findings)
+    assert model.applied == (["D", "G"] if d_first else ["G", "D"]) * 5  # each step() ran once, no more
     for name, before in model.snaps[4].items():
         if name.startswith("generator."):
             assert torch.equal(before, model.snaps[6][name]), f"{name} changed over the skipped step"
