@@ -1280,6 +1280,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         incoming=dict(origin.incoming),
         outgoing=dict(origin.outgoing),
         forward_traceback=origin.traceback or result.anomaly_traceback,
+        explicit_operand=origin.explicit_operand,
     )
     produced = " and ".join(label for key, label in (("nan", "NaN"), ("inf", "Inf")) if origin.outgoing.get(key))
     produced = produced or "non-finite values"
@@ -1301,6 +1302,8 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             inputs = f"Its inputs held Inf but no NaN ({_range(inc)})"
         elif "min_abs" in inc:
             inputs = f"Its inputs were finite ({_range(inc)})"
+        if origin.explicit_operand:
+            inputs += "; it was given an explicit non-finite Python number (float('inf') or float('nan'))"
         what = (
             f"Born in the forward pass of step {step}: op {origin.op} ({origin.forward_op}) in module "
             f"{where_module}{line}\n{inputs}; its output holds {produced}."
@@ -1319,7 +1322,14 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         )
     if result.surrogate and origin.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
-    message = f"{what}\nFix: {fix_for(origin.op, origin.forward_op)}"
+    fix = fix_for(origin.op, origin.forward_op)
+    if origin.explicit_operand:
+        fix = (
+            "the float('inf')/float('nan') written in this line reaches the loss: if it is a mask or "
+            "sentinel, mask it out before the loss (torch.where, or masked_fill with a finite value such as "
+            "torch.finfo(x.dtype).min); otherwise replace it by a finite number."
+        )
+    message = f"{what}\nFix: {fix}"
     return Finding(
         kind="nan_origin",
         step=step,

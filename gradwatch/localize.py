@@ -93,6 +93,7 @@ class Origin:
             ``forward_min_abs``/``forward_max_abs``/``forward_min``/``forward_max`` of its forward inputs.
         outgoing: What came out: ``nan``/``inf`` (whether present) and ``max_abs``.
         traceback: The forward traceback recorded by anomaly mode for this node, if it was on.
+        explicit_operand: The op was given an explicit non-finite Python number (``float("inf")``).
     """
 
     phase: str
@@ -104,6 +105,7 @@ class Origin:
     incoming: dict[str, float] = field(default_factory=dict)
     outgoing: dict[str, Any] = field(default_factory=dict)
     traceback: str | None = None
+    explicit_operand: bool = False
 
 
 @dataclass
@@ -471,7 +473,7 @@ class Localizer:
         found = _first_birth([(intent, before, after) for _s, _n, intent, before, after in ops])
         origin = None
         if found is not None:
-            site, node, _intent, before, after = ops[found]
+            site, node, intent, before, after = ops[found]
             origin = Origin(
                 phase="forward",
                 op=node.name() if node is not None else site.func,
@@ -482,6 +484,7 @@ class Localizer:
                 incoming=_magnitudes(before),
                 outgoing=_out(after),
                 traceback=_traceback(node) if node is not None else None,
+                explicit_operand=intent,
             )
             start, end = self._ops[found][5]
             if end - start > 1:  # a composite function: name the aten op inside it
@@ -633,6 +636,13 @@ def _first_birth(ops: list[tuple[bool, list[float] | None, list[float] | None]])
             continue
         if before is None or not before[0]:
             return i
+    # Otherwise an explicit float('inf')/nan argument after all, when its value reached the end of the
+    # forward pass (the loss): a sentinel that was never masked out, e.g. ``loss * float("inf")``.
+    last = ops[-1][2] if ops else None
+    if last is not None and _bad(last):
+        for i, (intended, before, after) in enumerate(ops):
+            if intended and after is not None and _bad(after) and (before is None or not _bad(before)):
+                return i
     return None
 
 

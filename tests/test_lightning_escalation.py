@@ -26,10 +26,12 @@ pytestmark = pytest.mark.filterwarnings(
 class SourceModule(ns.LightningModule):  # type: ignore[misc,name-defined]
     """The plain-loop test model as a LightningModule; counts real self.log calls and optimizer steps."""
 
-    def __init__(self, kind: str, *, manual: bool = False, loss_log: bool = False, steps: int = 6) -> None:
+    def __init__(
+        self, kind: str, *, manual: bool = False, loss_log: bool = False, loss_inf: bool = False, steps: int = 6
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.kind, self.loss_log, self.steps = kind, loss_log, steps
+        self.kind, self.loss_log, self.loss_inf, self.steps = kind, loss_log, loss_inf, steps
         self.automatic_optimization = not manual
         self.encoder = nn.Sequential(OrderedDict([(SOURCES[kind][0], Source(kind))]))
         self.head = nn.Linear(1 if kind == "sqrt" else 4, 1)
@@ -50,6 +52,8 @@ class SourceModule(ns.LightningModule):  # type: ignore[misc,name-defined]
         out = self(x)
         if self.loss_log and batch_idx == BAD_STEP:
             loss = torch.log(out - out.detach()).mean()  # log(0) in the loss, outside any module
+        elif self.loss_inf:  # a sentinel weight that was meant to be masked out
+            loss = out.pow(2).mean() * (float("inf") if batch_idx == BAD_STEP else 1.0)
         else:
             loss = out.pow(2).mean()
         self.log("train_loss", loss)
@@ -70,7 +74,7 @@ class SourceModule(ns.LightningModule):  # type: ignore[misc,name-defined]
         return opt
 
     def train_dataloader(self) -> Any:
-        bad = () if self.loss_log else BAD_STEP  # the loss test: the model itself stays finite
+        bad = () if self.loss_log or self.loss_inf else BAD_STEP  # the loss test: the model itself stays finite
         data = [batch(i, self.kind, bad) for i in range(self.steps)]
         return torch.utils.data.DataLoader(data, batch_size=None)
 
@@ -124,6 +128,15 @@ def test_nan_born_in_training_step_loss_is_named() -> None:
     assert first.op == "LogBackward0"
     assert first.module is None
     assert "in module training_step" in first.message
+
+
+# https://github.com/bigscience-workshop/metadata/pull/193 (an Inf multiplied into the loss)
+def test_explicit_inf_operand_in_the_loss_is_named_as_a_forward_birth() -> None:
+    cb = fit(SourceModule("log", loss_inf=True), on_nonfinite="skip")
+    first = origins(cb)[0]
+    assert (first.step, first.op, first.data["phase"]) == (BAD_STEP, "MulBackward0", "forward")
+    assert first.data["explicit_operand"] is True
+    assert "float('inf')" in first.message and "the forward pass was finite" not in first.message
 
 
 def test_anomaly_mode_only_in_window_and_off_after_fit() -> None:
