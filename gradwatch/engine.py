@@ -334,7 +334,7 @@ class Engine:
             none_grad=tuple(none),
             not_in_optimizer=self.index.not_in_optimizer,
             params_changed=changed,
-            foreign=tuple(op.foreign),
+            foreign=tuple(op.foreign) if self.index.model_trainable else (),
             first_check=self._first_check[opt_index],
         )
         self._first_check[opt_index] = False

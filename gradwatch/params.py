@@ -119,6 +119,8 @@ class ParamIndex:
         # this list is the only per-step cost, and the list is empty when the optimizer holds everything.
         self.unheld: list[torch.Tensor] = [p for _, p in self.model_params if id(p) not in held]
         self.unheld_trainable = len(self.not_in_optimizer)
+        #: Whether the model has any trainable parameter (else its optimizers train inputs: style transfer).
+        self.model_trainable = any(p.requires_grad for _, p in self.model_params)
         # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
         # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
         self._alive = [p for _, p in self.model_params]

@@ -14,12 +14,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.config import make_config
 from gradwatch.distributed import is_rank_zero
 from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
-from gradwatch.findings import Finding
+from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
 
@@ -48,13 +49,16 @@ class Watcher:
             raise TypeError(f"watch() needs a model instance, got the class {model.__name__}; pass {model.__name__}(...)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch() needs a torch.nn.Module as model, got {type(model).__name__}: {model!r:.80}")
-        optimizers = _as_optimizers(optimizer)
+        given = _as_optimizers(optimizer)
+        optimizers = [_stepping(o) for o in given]
         cfg = make_config(**config)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}: {scaler!r:.80}"
             )
-        if not any(p.requires_grad for p in model.parameters()):
+        if not optimizers and not any(p.requires_grad for p in model.parameters()):
+            # With an optimizer, a frozen model is fine: it may optimize inputs (style transfer,
+            # adversarial examples), and a forgotten unfreeze is explained when backward() fails.
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters (none with requires_grad=True), so there "
                 "are no gradients to watch; unfreeze some parameters or do not watch this model"
@@ -77,6 +81,11 @@ class Watcher:
             _WATCHED[opt] = self
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre_step, i)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._post_step, i)))
+        # Any other optimizer's step: one that updates the watched model's parameters is reported (once).
+        self._known: weakref.WeakSet[Any] = weakref.WeakSet([*given, *optimizers])
+        self._in_watched_step = False
+        if optimizers:
+            self._handles.append(register_optimizer_step_pre_hook(self._any_step))
         try:
             extensions = default_extensions(self.engine, scaler=scaler, integration="plain")
         except Exception as exc:  # noqa: BLE001 - watch on with the core checks only
@@ -152,7 +161,26 @@ class Watcher:
         return False  # never swallow the user's exception
 
     # -- hooks -------------------------------------------------------------------------------------
+    def _any_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global step pre-hook: an optimizer gradwatch does not watch is about to update the model."""
+        try:
+            if self._in_watched_step or optimizer in self._known:
+                return  # a watched step, or a wrapper's inner optimizer stepping inside it (Lookahead)
+            self._known.add(optimizer)
+            owned = self.engine.index.param_name
+            names = [
+                owned[id(p)]
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if id(p) in owned and p.requires_grad
+            ]
+            if names:
+                self.engine.add_finding(_unwatched_finding(optimizer, names, self.engine.step_counts[0]))
+        except Exception as exc:  # noqa: BLE001 - never break the user's step
+            internal_warning("unwatched optimizer check", exc, owner=self.engine)
+
     def _pre_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._in_watched_step = True
         # ``args`` starts with the optimizer itself (torch passes the bound call's positional arguments).
         pos = 1 if args and args[0] is optimizer else 0
         closure = kwargs.get("closure") if "closure" in kwargs else (args[pos] if len(args) > pos else None)
@@ -195,6 +223,7 @@ class Watcher:
         return decision
 
     def _post_step(self, index: int, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._in_watched_step = False
         self.engine.restore_grads()
         self._pending_snapshot.pop(index, None)
         if index in self._closure_step:
@@ -235,6 +264,45 @@ def watch(
         []
     """
     return Watcher(model, optimizer, **config)
+
+
+def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``step()`` applies the update, where a wrapper's own ``step()`` may not run:
+    SAM-style optimizers (``first_step``/``second_step`` around ``base_optimizer.step()``) and wrappers
+    that never ran ``Optimizer.__init__`` (no step hooks; some Lookahead ports). Others stay as given."""
+    for _ in range(4):  # wrappers of wrappers, bounded
+        base = getattr(opt, "base_optimizer", None)
+        if isinstance(base, torch.optim.Optimizer) and base is not opt:
+            opt = base
+            continue
+        if not hasattr(opt, "_optimizer_step_pre_hooks"):
+            inner = getattr(opt, "optimizer", None)
+            if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+                opt = inner
+                continue
+        break
+    return opt
+
+
+def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
+    kind = type(optimizer).__name__
+    return Finding(
+        kind="unwatched_optimizer",
+        step=step,
+        severity="warning",
+        message=(
+            f"An optimizer gradwatch does not watch ({kind}) is updating {len(names)} parameter(s) of the "
+            f"watched model at step {step}: {names_text(names)}. gradwatch checks updates inside the watched "
+            "optimizers' step() only, so this one's updates are not checked: a NaN/Inf in them is neither "
+            "skipped nor reported.\n"
+            "Why it matters: usually the optimizer was re-created after watch() (fine-tuning, a restart with "
+            "another learning rate), or a second optimizer was left out.\n"
+            "Fix: watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
+            "gw = gradwatch.watch(model, [opt_a, opt_b])."
+        ),
+        params=tuple(names),
+        data={"optimizer_class": kind, "count": len(names)},
+    )
 
 
 def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -41,20 +41,32 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             )
         )
     if stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
+        # Parameters of the loss trained with the model (CenterLoss centers, a learned temperature) are
+        # foreign but get gradients next to the model's own: not a mistake. Report the optimizer that holds
+        # none of the model's parameters, or foreign ones that got no gradient (another model's).
+        foreign = set(stats.foreign)
+        held = [*stats.names, *stats.none_grad]
+        all_foreign = bool(held) and all(n in foreign for n in held)
+        unused = tuple(n for n in stats.foreign if n in set(stats.none_grad))
+        shown = stats.foreign if all_foreign else unused
+    else:
+        shown = ()
+    if shown:
         out.append(
             Finding(
                 kind="foreign_params",
                 step=stats.step,
                 severity="warning",
                 message=(
-                    f"Optimizer {stats.optimizer_index} holds {len(stats.foreign)} parameter(s) that the "
-                    f"watched model does not own: {names_text(stats.foreign)}.\n"
+                    f"Optimizer {stats.optimizer_index} holds {len(shown)} parameter(s) that the "
+                    f"watched model does not own{'' if all_foreign else ' and that got no gradient'}: "
+                    f"{names_text(shown)}.\n"
                     "Why it matters: usually the optimizer was built for another model (or a copy of this "
                     "one, e.g. before deepcopy or .to() with new parameters), so this model never trains.\n"
                     "Fix: build the optimizer from this model's parameters: optim.AdamW(model.parameters())."
                 ),
-                params=stats.foreign,
-                data={"count": len(stats.foreign), "optimizer": stats.optimizer_index},
+                params=shown,
+                data={"count": len(shown), "optimizer": stats.optimizer_index, "all_foreign": all_foreign},
             )
         )
     return out

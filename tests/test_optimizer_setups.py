@@ -1,0 +1,239 @@
+"""Optimizer set-ups beyond one ``torch.optim`` optimizer over the model: wrappers whose own ``step()``
+is bypassed (SAM) or never initialized (Lookahead ports), optimizers re-created mid-run, learnable loss
+parameters, and optimizers over inputs of a frozen model (style transfer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def data(n: int, nan_at: int = -1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        out.append((x, y))
+    return out
+
+
+def kinds(gw: Any) -> list[tuple[str, int]]:
+    return [(f.kind, f.step) for f in gw.findings if f.severity != "info"]
+
+
+def finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# https://github.com/davda54/sam (sam.py): first_step/second_step, base_optimizer.step() inside.
+class SAM(torch.optim.Optimizer):
+    def __init__(self, params: Any, base_optimizer: Any, rho: float = 0.05, **kwargs: Any) -> None:
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        norm = torch.norm(
+            torch.stack([p.grad.norm(2) for g in self.param_groups for p in g["params"] if p.grad is not None]), 2
+        )
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * scale.to(p))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        closure = torch.enable_grad()(closure)
+        self.first_step(zero_grad=True)
+        closure()
+        self.second_step()
+
+
+@pytest.mark.parametrize("style", ["first_second_step", "step_closure"])
+def test_sam_is_checked_every_step_and_a_nan_batch_is_skipped(style: str) -> None:
+    model = mlp()
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    loss_fn = nn.MSELoss()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(10, nan_at=5):
+            if style == "first_second_step":
+                loss_fn(model(x), y).backward()
+                opt.first_step(zero_grad=True)
+                loss_fn(model(x), y).backward()
+                opt.second_step(zero_grad=True)
+            else:
+
+                def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    return loss
+
+                closure()
+                opt.step(closure)
+                opt.zero_grad()
+    assert gw.summary().steps_checked == 10
+    assert ("nonfinite_grad", 5) in kinds(gw), kinds(gw)
+    assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {5}
+    assert not [k for k in kinds(gw) if k[0] == "unwatched_optimizer"]
+    assert finite(model)
+
+
+def test_sam_healthy_run_is_silent_and_unchanged() -> None:
+    def run(watched: bool) -> nn.Module:
+        model = mlp()
+        opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        gw = gradwatch.watch(model, opt, console=False) if watched else None
+        for x, y in data(8):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.first_step(zero_grad=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.second_step(zero_grad=True)
+        if gw is not None:
+            gw.close()
+            assert kinds(gw) == [], kinds(gw)
+        return model
+
+    for a, b in zip(run(False).parameters(), run(True).parameters()):
+        assert torch.equal(a, b)
+
+
+# https://github.com/lonePatient/lookahead_pytorch (optimizer.py): never calls Optimizer.__init__.
+class Lookahead(torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, alpha: float = 0.5, k: int = 5) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        self.alpha, self.k, self.counter = alpha, k, 0
+        self.slow = [[p.detach().clone() for p in g["params"]] for g in self.param_groups]
+
+    def step(self, closure: Any = None) -> Any:
+        loss = self.optimizer.step(closure)
+        self.counter += 1
+        if self.counter % self.k == 0:
+            for group, slow in zip(self.param_groups, self.slow):
+                for p, q in zip(group["params"], slow):
+                    q.add_(p.detach() - q, alpha=self.alpha)
+                    p.data.copy_(q)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+def test_lookahead_without_optimizer_init_is_watched_through_its_inner_optimizer() -> None:
+    model = mlp()
+    opt = Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2))
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(12, nan_at=7):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert gw.summary().steps_checked == 12
+    assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {7}, kinds(gw)
+    assert finite(model)
+
+
+# https://www.codegenes.net/blog/pytorch-reset-optimizer ("reset the optimizer by re-initializing it")
+def test_optimizer_recreated_mid_run_is_reported_once_at_its_first_step() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, (x, y) in enumerate(data(10)):
+            if i == 5:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)  # a new learning rate: a new optimizer
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "unwatched_optimizer"]
+    assert [(f.step, f.severity) for f in found] == [(5, "warning")]
+    assert set(found[0].params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert "gradwatch.watch(model" in found[0].message
+
+
+def test_optimizer_of_another_model_is_not_reported_as_unwatched() -> None:
+    model, other = mlp(), nn.Linear(8, 1)
+    opt, opt_other = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(other.parameters(), lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(4):
+            for o, m in ((opt, model), (opt_other, other)):
+                o.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+    assert kinds(gw) == []
+
+
+# https://github.com/KaiyangZhou/pytorch-center-loss (centers trained by the model's optimizer)
+def test_learnable_loss_parameters_in_the_optimizer_are_not_foreign_params() -> None:
+    model = mlp()
+    centers = nn.Parameter(torch.randn(4, 1))
+    temperature = nn.Parameter(torch.zeros(()))
+    opt = torch.optim.Adam([*model.parameters(), centers, temperature], lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(6):
+            out = model(x)
+            loss = nn.functional.mse_loss(out, y) * torch.exp(-temperature) + temperature
+            loss = loss + (out - centers[0]).pow(2).mean() * 0.01
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert kinds(gw) == [], kinds(gw)
+
+
+# https://pytorch.org/tutorials/advanced/neural_style_tutorial.html (the input image is optimized)
+def test_optimizing_the_input_of_a_frozen_model_is_watched() -> None:
+    model = mlp().requires_grad_(False)
+    image = torch.randn(4, 8, requires_grad=True)
+    opt = torch.optim.Adam([image], lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(6):
+            opt.zero_grad()
+            loss = model(image).pow(2).mean()
+            if step == 3:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+    assert {k for k in kinds(gw) if k[0] != "nan_origin"} == {("nonfinite_grad", 3)}, kinds(gw)
+    assert bool(torch.isfinite(image).all())
+
+
+def test_forgotten_unfreeze_is_explained_when_backward_fails() -> None:
+    model = mlp().requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for x, y in data(2):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    found = [f for f in gw.findings if f.kind == "no_grad_graph"]
+    assert found and found[0].data.get("cause") == "all_frozen", [(f.kind, f.data) for f in gw.findings]
