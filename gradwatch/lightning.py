@@ -139,6 +139,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         # A closure optimizer's (LBFGS) later evaluations within a checked step: optimizer -> [count, loss,
         # whether the latest one was non-finite].
         self._reevaluations: dict[int, list[Any]] = {}
+        self._skip_pending: set[int] = set()  # checked "skip", update not yet suppressed
         self._loss_scale = 1.0
         self._automatic = True
 
@@ -226,6 +227,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._in_step.clear()
         self._checked.clear()
         self._reevaluations.clear()
+        self._skip_pending.clear()
         self._backward_seen = False
         for i, opt in enumerate(optimizers):
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._before_step, i)))
@@ -290,20 +292,31 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         due = engine.should_check(i)
         decision = engine.check_step(i, step=int(trainer.global_step), due=due)
         if decision == "skip":
-            engine.suppress_update(i)
+            # Applied right before the update (after Lightning's clipping and the module's own
+            # on_before_optimizer_step, which still see the gradients): in the closure wrapper, or in the
+            # step pre-hook when the closure ran first (AMP: precision plugin, then scaler.step).
+            self._skip_pending.add(i)
         elif due and i in self._in_step:
             self._reevaluations[i] = [1, None, False]
 
+    def _suppress_if_skipped(self, index: int) -> None:
+        if index in self._skip_pending and self.engine is not None:
+            self._skip_pending.discard(index)
+            self.engine.suppress_update(index)
+
     def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> Any:
         self._in_step.add(index)
+        self._suppress_if_skipped(index)
         closure = kwargs.get("closure")
         if closure is None or not callable(closure):
             return None
 
         def gradwatch_closure() -> Any:
-            # Lightning's closure runs training_step, backward and on_before_optimizer_step (the check, and
-            # for an LBFGS re-evaluation the guard); a guarded non-finite evaluation becomes a failed trial.
+            # Lightning's closure runs training_step, backward, on_before_optimizer_step (the check, and for
+            # an LBFGS re-evaluation the guard) and clipping; then the optimizer updates. A skipped step is
+            # suppressed here; a guarded non-finite re-evaluation becomes a failed trial.
             loss = closure()
+            self._suppress_if_skipped(index)
             seen = self._reevaluations.get(index)
             if seen is not None and seen[2] and self.engine is not None and self.engine.config.on_nonfinite == "skip":
                 seen[2] = False
@@ -321,6 +334,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
     def _finish(self, index: int, new_cycle: bool = True) -> None:
         self._checked.discard(index)
+        self._skip_pending.discard(index)
         self._reevaluations.pop(index, None)
         if new_cycle:
             self._backward_seen = False
@@ -377,6 +391,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._in_step.clear()
         self._checked.clear()
         self._reevaluations.clear()
+        self._skip_pending.clear()
         self._trainer = None
 
     def _remove_hooks(self) -> None:

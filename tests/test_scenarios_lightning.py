@@ -321,6 +321,36 @@ def test_lbfgs_nan_step_is_skipped_at_the_right_global_step() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class GradReadingClassifier(Classifier):
+    """Reads a gradient in its own hooks (logging a layer's gradient norm, custom value clipping)."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log("grad_norm_head", self.head.weight.grad.norm())
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.5)
+
+
+# https://github.com/MatteoSalvatori/INCE/issues/6 (clip_grad_value_ raises on parameters without gradients)
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("module", ["clip_value", "reads_grad"])
+def test_skipped_nan_step_with_value_clipping_or_a_hook_reading_grad_does_not_crash(namespace: str, module: str) -> None:
+    ns = ns_of(namespace)
+    cb = callback()
+    if module == "clip_value":
+        model = build(ns, Classifier, nan_at=3, hand_log=True)
+        options = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}
+    else:
+        model = build(ns, GradReadingClassifier, nan_at=3, hand_log=True)
+        options = {"gradient_clip_val": 0.5}
+    trainer(ns, cb, max_steps=6, **options).fit(model)  # a None .grad made these raise
+    assert {f.step for f in cb.findings if f.kind in NONFINITE} == {3}, show(cb.findings)
+    for name, before in model.snaps[3].items():
+        assert torch.equal(before, model.snaps[4][name]), f"{name} changed over the skipped step"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 class Boundary(Snapshots):
     """A physics-informed style fit with LBFGS: sqrt(1 - w^2) is NaN (value and gradient) past |w| = 1,
     and the pull towards 1.5 makes LBFGS's iterations within one step cross it."""
