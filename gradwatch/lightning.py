@@ -140,7 +140,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         # whether the latest one was non-finite].
         self._reevaluations: dict[int, list[Any]] = {}
         self._skip_pending: set[int] = set()  # checked "skip", update not yet suppressed
-        self._loss_scale = 1.0
+        self._fitted_with: Any = None  # weak reference to the Trainer of the latest fit
         self._automatic = True
 
     # -- public ------------------------------------------------------------------------------------
@@ -181,8 +181,12 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
     def _build(self, trainer: Any, pl_module: Any) -> None:
         carried = self._pending_state
-        if carried is None and self.engine is not None:
-            carried = self.engine.state_dict()  # a second fit() continues the counters
+        previous = self._fitted_with() if self._fitted_with is not None else None
+        if carried is None and self.engine is not None and previous is trainer:
+            carried = self.engine.state_dict()  # a second fit() of the same Trainer continues the counters
+        # Another Trainer (a sweep reusing one callback) starts afresh: the history of an unrelated run
+        # would make its first steps look like explosions.
+        self._fitted_with = weakref.ref(trainer)
         self._pending_state = carried
         self.engine = None
         rank_zero = bool(trainer.is_global_zero)
@@ -221,8 +225,6 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             engine.load_state_dict(carried)
         self._pending_state = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
-        # Automatic optimization backpropagates loss / accumulate_grad_batches; report the loss itself.
-        self._loss_scale = float(trainer.accumulate_grad_batches) if self._automatic else 1.0
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
         self._in_step.clear()
         self._checked.clear()
@@ -262,7 +264,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             return
         if isinstance(loss, torch.Tensor) and loss.numel() > 0:
             loss = loss.detach()
-            engine.observe_loss(loss * self._loss_scale if self._loss_scale != 1.0 else loss)
+            # Automatic optimization backpropagates loss / accumulate_grad_batches; report the loss itself.
+            # Read per step: a GradientAccumulationScheduler changes the factor during the run.
+            scale = float(trainer.accumulate_grad_batches) if self._automatic else 1.0
+            engine.observe_loss(loss * scale if scale != 1.0 else loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         engine = self.engine

@@ -176,6 +176,39 @@ def test_accumulated_loss_is_reported_unscaled(lightning_pytorch: Any) -> None:
     assert cb.engine.history.losses[-1] == pytest.approx(sum(losses) / 4, rel=1e-5)
 
 
+# https://lightning.ai/docs/pytorch/stable/common/trainer.html#accumulate-grad-batches (a schedule)
+def test_loss_under_a_gradient_accumulation_schedule_is_reported_unscaled(lightning_pytorch: Any) -> None:
+    losses: list[float] = []
+
+    class LossLog(lightning_pytorch.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+    schedule = lightning_pytorch.callbacks.GradientAccumulationScheduler(scheduling={0: 4, 1: 1})
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(lightning_pytorch, [schedule, cb, LossLog()], max_epochs=3, max_steps=-1,
+                           limit_train_batches=8)
+    trainer.fit(tiny_module(lightning_pytorch))
+    assert cb.engine is not None
+    first = cb.engine.history.losses[0]
+    assert first == pytest.approx(sum(losses[:4]) / 4, rel=1e-5)  # epoch 0: 4 batches per step
+    assert cb.engine.history.losses[-1] == pytest.approx(losses[-1], rel=1e-5)
+    assert [f for f in cb.findings if f.severity != "info"] == []
+
+
+def test_one_callback_reused_by_a_second_trainer_starts_afresh(lightning_pytorch: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=20).fit(tiny_module(lightning_pytorch, lr=0.001))
+    first_run = list(cb.findings)
+    # A sweep: another Trainer and a model whose gradients are 100x larger.
+    model = tiny_module(lightning_pytorch, lr=0.001)
+    with torch.no_grad():
+        model.head.weight.mul_(100.0)
+    tiny_trainer(lightning_pytorch, [cb], max_steps=6).fit(model)
+    assert first_run == [] and cb.findings == [], [(f.kind, f.step) for f in cb.findings]
+    assert cb.engine is not None and cb.engine.step_counts == [6]
+
+
 def test_training_step_returning_none_is_not_a_missing_gradient(lightning_pytorch: Any) -> None:
     cb = GradWatchCallback(console=False)
     trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=5)
