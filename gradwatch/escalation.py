@@ -1167,6 +1167,22 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "torch.finfo(x.dtype).min instead of -inf.",
     ),
     (
+        ("Std", "Var", "StdMean", "VarMean"),
+        "std/var of a single element (a batch of 1, a dimension of size 1) divides by n - 1 = 0, and a "
+        "near-constant input makes the gradient of std (1/std) explode: use drop_last=True in the "
+        "DataLoader or correction=0 (unbiased=False), and add an epsilon: (x.var(...) + 1e-5).sqrt().",
+    ),
+    (
+        ("Logsumexp",),
+        "logsumexp over a row where every value is -inf (a fully masked row) is -inf and its gradient NaN: "
+        "keep one position unmasked, or mask with torch.finfo(x.dtype).min instead of -inf.",
+    ),
+    (
+        ("NllLoss", "NllLoss2d", "nll_loss_forward", "nll_loss2d_forward", "CrossEntropyLoss"),
+        "every target of this batch is ignore_index (or has weight 0), so the mean is 0/0: skip such "
+        "batches, or use reduction='sum' and divide by the number of counted targets clamped to at least 1.",
+    ),
+    (
         ("Tan", "Atan2"),
         "the op is singular here: keep its input away from the singular points (clamp, add an epsilon).",
     ),
@@ -1243,12 +1259,16 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
                 "backward (it frees the values they saw); if it recurs in the next (escalated) steps, the op "
                 "is named with its line."
             )
+        fix = (
+            "look at the loss function: log of a 0 probability (use log_softmax / cross_entropy on logits, "
+            "or clamp the probability), division by a zero count or norm, sqrt at 0, or a NaN/Inf target."
+        )
+        if len(set(result.loss_ops)) == 1 and fix_for(result.loss_ops[0]) is not _GENERIC_FIX:
+            fix = fix_for(result.loss_ops[0])  # one suspect: its own fix
         message = (
             f"The model's forward pass was finite at step {step}, but the gradient arriving at its output "
             "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
-            "the model (seen in " + how + ")." + suspects + "\nFix: look at the loss function: log of a 0 "
-            "probability (use log_softmax / cross_entropy on logits, or clamp the probability), division by "
-            "a zero count or norm, sqrt at 0, or a NaN/Inf target."
+            "the model (seen in " + how + ")." + suspects + "\nFix: " + fix
         )
         return Finding(kind="nan_origin", step=step, severity="error", message=message, data=data)
     if origin is None:

@@ -491,11 +491,22 @@ class Localizer:
                 inner = _first_birth([(i, b, a) for _n, i, b, a in aten[start:end]])
                 if inner is not None:
                     _refine(origin, node, aten[start + inner])
-        if origin is None:
+        # An Inf-only birth whose value the forward absorbed (log of a 0/1 mask added before a softmax or
+        # logsumexp: the pass ends finite) happens on healthy steps too; a backward birth is the cause.
+        absorbed = (
+            origin is not None
+            and not origin.outgoing.get("nan")
+            and bool(ops)
+            and ops[-1][4] is not None
+            and not _bad(ops[-1][4])
+        )
+        if origin is None or absorbed:
             forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
             for index, summary in saved.items():
                 forward_inputs.setdefault(self._nodes[index], summary)
-            origin = self._backward_origin(fired, forward_inputs)
+            backward = self._backward_origin(fired, forward_inputs)
+            if backward is not None or origin is None:
+                origin = backward
         loc.origin = origin
         for label, ins, outs in mods:
             if outs is not None and _bad(outs):

@@ -1230,6 +1230,91 @@ def test_loss_averaged_over_an_empty_positive_mask_is_attributed_to_the_loss() -
     assert "division by a zero" in origin[0].message
 
 
+# https://github.com/pytorch/pytorch/issues/70348 (cross_entropy is NaN when every target is ignored)
+def test_every_target_ignored_is_a_nan_loss_with_finite_gradients_and_says_so() -> None:
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            logits = torch.cat([model(x), -model(x)], dim=1)
+            target = (x[:, 0] > 0).long()
+            if step == 3:
+                target[:] = -100  # a batch of padding only: every target is ignore_index
+            loss = F.cross_entropy(logits, target, ignore_index=-100)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = of(gw.findings, "nonfinite_loss")
+    assert [f.step for f in found] == [3] and not of(gw.findings, "nonfinite_grad"), show(gw.findings)
+    assert found[0].data["grads_finite"] is True
+    assert "every gradient is finite" in found[0].message and "count.clamp_min(1)" in found[0].message
+    assert "makes every gradient of this step NaN" not in found[0].message
+
+
+class LogMaskPool(nn.Module):
+    """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x) + torch.log(mask.float())[..., None]  # -inf on padding, on every step
+        pooled = torch.logsumexp(h, dim=1)
+        return self.head(torch.where(mask.any(1, keepdim=True), pooled, torch.zeros_like(pooled)))
+
+
+# https://github.com/pytorch/pytorch/issues/31829 (logsumexp of an all -inf row: NaN gradient)
+def test_logsumexp_over_an_empty_sequence_is_named_not_the_mask_that_is_there_every_step() -> None:
+    model = LogMaskPool()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 5, 4, generator=g), torch.randn(4, 1, generator=g)
+            mask = torch.ones(4, 5, dtype=torch.bool)
+            mask[:, 3:] = False
+            if step == 3:
+                mask[2] = False  # a sequence that is all padding
+            opt.zero_grad()
+            F.mse_loss(model(x, mask), y).backward()
+            opt.step()
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (3, "LogsumexpBackward0"), show(gw.findings)
+    assert "fully masked row" in origin[0].message
+
+
+class BatchStandardize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        return self.head(torch.relu((h - h.mean(0)) / (h.std(0) + 1e-5)))
+
+
+# https://github.com/pytorch/pytorch/issues/4320 (std of one element is NaN: the last batch of size 1)
+def test_std_over_a_last_batch_of_one_is_named_with_its_fix() -> None:
+    model = BatchStandardize()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt) as gw:
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            n = 1 if step == 3 else 6
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(n, 4, generator=g)), torch.randn(n, 1, generator=g)).backward()
+            opt.step()
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (3, "StdBackward0"), show(gw.findings)
+    assert "drop_last=True" in origin[0].message
+
+
 # https://github.com/pytorch/pytorch/issues/4534 (BatchNorm statistics must survive gradwatch's replay)
 def test_batchnorm_running_statistics_are_those_of_the_users_own_forwards() -> None:
     def run(with_gradwatch: bool) -> nn.Module:
