@@ -80,6 +80,8 @@ class AmpMonitor:
         self._hook: Any = None
         self._grad_ref: Any = None
         self._steps_at_last_cycle = -1
+        self._version_at_step = 0
+        self._cleared_since_step = False
         self._unstepped = 0
 
     def attach(self, engine: Any) -> None:
@@ -91,9 +93,11 @@ class AmpMonitor:
     def _watch_unstepped_cycles(self, engine: Any) -> None:
         """Notice a scaler that never lets a step through: then no step hook of gradwatch ever runs.
 
-        One parameter gets a post-accumulate-grad hook (one Python call per backward). A gradient
-        that is a new tensor (``zero_grad()`` set the old one to None) while no optimizer step ran
-        since the previous new one means an iteration ended without an update.
+        One parameter gets a post-accumulate-grad hook (one Python call per backward). Each
+        ``scaler.update()`` writes the scale in place, so the scale tensor's version counter says how
+        many updates ran since the last optimizer step, with no sync; each of them dropped its step.
+        Whether the parameter's gradient was ever a new tensor in between tells a forgotten
+        ``zero_grad`` (the first overflow's Inf stays in ``.grad`` and every later step overflows too).
         """
         sentinel = next(
             (p for op in engine.index.per_optimizer for p in op.params if p.requires_grad and p.is_leaf), None
@@ -104,31 +108,32 @@ class AmpMonitor:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         engine = self._engine
-        if engine is None or engine.closed:
+        scale = getattr(self.scaler, "_scale", None)
+        if engine is None or engine.closed or not isinstance(scale, torch.Tensor):
             return
         try:
             grad = param.grad
-            previous = self._grad_ref() if self._grad_ref is not None else None
-            if grad is None or grad is previous:
-                return  # accumulation into the same gradient
             steps = sum(engine.step_counts)
-            if self._grad_ref is not None and steps == self._steps_at_last_cycle:
-                self._unstepped += 1
-            else:
-                self._unstepped = 0
-            self._grad_ref = weakref.ref(grad)
-            self._steps_at_last_cycle = steps
+            if steps != self._steps_at_last_cycle:  # an optimizer step ran: start counting afresh
+                self._steps_at_last_cycle = steps
+                self._version_at_step = scale._version
+                self._cleared_since_step = False
+            elif grad is not None and (self._grad_ref is None or grad is not self._grad_ref()):
+                self._cleared_since_step = True
+            if grad is not None:
+                self._grad_ref = weakref.ref(grad)
+            self._unstepped = scale._version - self._version_at_step  # scaler.update() calls since
             if self._unstepped >= PERSISTENT_STEPS and not self._persistent_reported:
-                self._check_unstepped(engine)
+                self._check_unstepped(engine, never_cleared=not self._cleared_since_step)
         except Exception as exc:  # noqa: BLE001 - never break the user's backward
             internal_warning("AmpMonitor (unstepped iterations)", exc, owner=engine)
 
-    def _check_unstepped(self, engine: Any) -> None:
+    def _check_unstepped(self, engine: Any, never_cleared: bool = False) -> None:
         scaler = self.scaler
         if scaler is None or getattr(scaler, "_scale", None) is None:
             return
         scale = float(scaler._scale.item())  # a degenerate run only: no update for many iterations
-        stats = StepStats(step=engine.step_counts[0] + self._unstepped - 1)
+        stats = StepStats(step=engine.step_counts[0] + self._unstepped - 1)  # the last dropped step
         self._consecutive = self._unstepped
         streak, self._streak = (
             self._streak,
@@ -141,7 +146,7 @@ class AmpMonitor:
             },
         )
         try:
-            self._report(stats, done=None, no_update_yet=not self._settled)
+            self._report(stats, done=None, no_update_yet=not self._settled, grads_never_cleared=never_cleared)
         finally:
             self._streak = streak
         from gradwatch.checks import amp_overflow
@@ -297,7 +302,9 @@ class AmpMonitor:
             return
         persistent = False
         if not self._persistent_reported and (
-            streak["new_scale"] < SCALE_FLOOR or (self._settled and self._consecutive >= PERSISTENT_STEPS)
+            streak["new_scale"] < SCALE_FLOOR
+            or (self._settled and self._consecutive >= PERSISTENT_STEPS)
+            or more.get("grads_never_cleared")  # the overflow can never end: conclusive at once
         ):
             persistent = self._persistent_reported = True
         if done is None and not persistent:

@@ -198,6 +198,27 @@ def test_scaler_that_never_lets_an_update_through_is_a_warning() -> None:
     assert w.data["new_scale"] < 1.0 and "No update has gone through yet" in w.message
 
 
+# https://github.com/IDEA-Research/DN-DETR/issues/18 (where zero_grad goes in an AMP loop)
+def test_forgotten_zero_grad_under_a_scaler_is_reported_while_every_update_is_dropped() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        for step in range(14):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()  # no zero_grad(): the first overflow's Inf never leaves .grad
+            scaler.step(opt)
+            scaler.update()
+            if step == 8:
+                found = [f for f in gw.findings if f.kind == "zero_grad_missing"]
+                assert [(f.step, f.severity) for f in found] == [(7, "error")], kinds(gw.findings)
+    (f,) = [f for f in gw.findings if f.kind == "zero_grad_missing"]
+    assert "steps 0-7" in f.message and "optimizer.zero_grad()" in f.message
+    assert not [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
+
+
 def test_fused_optimizer_norms_are_of_unscaled_gradients() -> None:
     model = net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)

@@ -53,7 +53,25 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 data=data,
             )
         )
-    if amp.get("persistent"):
+    if amp.get("persistent") and amp.get("grads_never_cleared"):
+        out.append(
+            Finding(
+                kind="zero_grad_missing",
+                step=stats.step,
+                severity="error",
+                message=(
+                    f"The gradient scaler dropped the update of each of the last {amp.get('consecutive')} steps "
+                    f"(steps {first}-{stats.step}; loss scale now {new_scale}), and the gradients were never "
+                    "cleared in between: zero_grad() is missing, so the Inf of the first overflow stays in .grad and every "
+                    "later step overflows too, whatever the scale.\n"
+                    "Why it matters: no update ever goes through again; the model stops training.\n"
+                    "Fix: call optimizer.zero_grad() once per iteration, before scaler.scale(loss).backward() "
+                    "(with gradient accumulation, right after scaler.step(optimizer); scaler.update())."
+                ),
+                data={**data, "amp": True},
+            )
+        )
+    elif amp.get("persistent"):
         loss_hint = " The loss itself was non-finite on that step." if amp.get("loss_nonfinite") else ""
         none_yet = " No update has gone through yet." if amp.get("no_update_yet") else ""
         out.append(
