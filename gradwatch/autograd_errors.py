@@ -46,6 +46,7 @@ _OTHER_FORWARD_INPLACE = (
     "is a view of a leaf Variable that requires grad and is being used in an in-place operation",
     "a view of a leaf Variable that requires grad is being used in an in-place operation",
 )
+_ANOMALY_NAN = re.compile(r"Function '(?P<op>\w+)' returned nan values in its (?P<index>\d+)\w* output")
 _TWICE = "Trying to backward through the graph a second time"
 _NO_GRAD = "does not require grad and does not have a grad_fn"
 _NONSCALAR = "grad can be implicitly created only for"
@@ -127,7 +128,44 @@ def explain(exc: BaseException, *, engine: Any, step: int) -> Finding | None:
         return _no_grad_graph(ctx)
     if _NONSCALAR in text:
         return _nonscalar(ctx)
+    m = _ANOMALY_NAN.search(text)
+    if m:
+        return _anomaly_nan(ctx, m.group("op"), int(m.group("index")))
     return None
+
+
+def _anomaly_nan(ctx: _Context, op: str, index: int) -> Finding:
+    """Anomaly mode (``torch.autograd.set_detect_anomaly``, Lightning's ``detect_anomaly=True``) stopped
+    backward at the first node that returned NaN. It checks for NaN only: an Inf born earlier (sqrt or
+    log at 0) turns into NaN at a later, harmless-looking op (a matmul multiplying Inf by 0)."""
+    from gradwatch.escalation import _GENERIC_FIX, fix_for
+
+    losses = [t for t in ctx.roots() if t.numel() == 1]
+    loss_note = ""
+    if losses and not bool(torch.isfinite(losses[0].detach()).all()):  # the error path: one read
+        loss_note = f" The loss itself was {float(losses[0].detach().reshape(())):g} already."
+    fix = fix_for(op)
+    if fix is _GENERIC_FIX:
+        fix = (
+            f"{op} rarely makes a NaN from finite values: an Inf reached it from an earlier backward op. Look "
+            "at sqrt, log, pow and divisions on the forward line anomaly mode printed and before it, or "
+            "turn detect_anomaly off and let gradwatch's escalation name the op where the Inf was born "
+            "(it checks for Inf too)."
+        )
+    return Finding(
+        kind="nan_origin",
+        step=ctx.step,
+        severity="error",
+        message=(
+            f"Anomaly mode stopped backward at step {ctx.step}: op {op} is the first backward op that returned "
+            f"NaN (in its gradient output {index}).{loss_note} Anomaly mode printed the forward line that created "
+            "this op above, under 'Traceback of forward call that caused the error'; it checks for NaN only, "
+            "so an Inf born in an earlier op shows up here. Training stopped with PyTorch's error.\n"
+            f"Fix: {fix}"
+        ),
+        op=op,
+        data={"phase": "backward", "op": op, "output": index, "anomaly_error": str(ctx.exc), "raised": True},
+    )
 
 
 # -- shared facts ----------------------------------------------------------------------------------

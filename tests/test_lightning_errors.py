@@ -147,6 +147,8 @@ class Broken(Automatic):
         if self.bug == "nonscalar":
             return out
         loss = nn.functional.mse_loss(out, y)
+        if self.bug == "sqrt_zero" and self.global_step == 2:
+            loss = loss + torch.sqrt(out - out.detach()).sum()  # sqrt(0): an infinite derivative
         if self.bug == "running_total":
             self.kept = loss if self.kept is None else self.kept + loss
             return self.kept
@@ -177,6 +179,17 @@ def test_loss_computed_under_no_grad_is_explained() -> None:
         tiny_trainer(pl, [cb], max_steps=3).fit(Broken("no_grad"))
     [f] = [f for f in cb.findings if f.kind == "no_grad_graph"]
     assert (f.step, f.data["cause"]) == (0, "forward_under_no_grad")
+
+
+# https://github.com/Lightning-AI/pytorch-lightning/issues/8313 (detect_anomaly on the Trainer for debugging)
+def test_trainer_detect_anomaly_error_is_explained_as_the_nan_origin() -> None:
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="returned nan values") as raised:
+        tiny_trainer(pl, [cb], max_steps=4, detect_anomaly=True).fit(Broken("sqrt_zero"))
+    assert type(raised.value) is RuntimeError
+    [f] = [f for f in cb.findings if f.kind == "nan_origin"]
+    assert (f.step, f.data["phase"]) == (2, "backward") and f.op in raised.value.args[0]
+    assert "an Inf reached it from an earlier backward op" in f.message  # sqrt's Inf, NaN at a matmul
 
 
 def test_nonscalar_loss_is_explained() -> None:
