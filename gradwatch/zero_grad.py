@@ -3,7 +3,7 @@
 The facts come from the gradients themselves, not from patching ``zero_grad`` (Lightning's manual
 optimization bypasses patched instances and never fires ``on_before_zero_grad``). Per optimizer, one
 representative parameter (the smallest trainable one; re-picked when it holds no gradient at a check
-while others do) carries two hooks, so the cost is two Python calls per backward pass, whatever the
+while others do, or when no backward pass reached it since the previous check) carries two hooks, so the cost is two Python calls per backward pass, whatever the
 model's size:
 
 - a tensor hook, which runs before the incoming gradient is accumulated, while ``p.grad`` still holds
@@ -210,11 +210,16 @@ class ZeroGradTracker:
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
         stats.extra["grads_cleared_before_step"] = cleared
-        # New baseline; re-pick the representative if it holds no gradient while others do.
-        if g is None and ctx.grads:
+        # New baseline; re-pick the representative if it holds no gradient while others do, or if no
+        # backward reached it since the previous check (a rarely used gate or branch): then take the
+        # parameter whose gradient was written most often (highest version), smallest first.
+        if ctx.grads and (g is None or (t.accumulations == 0 and t.base_ref is not None)):
             candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
             if candidates:
-                p, n = min(candidates, key=lambda c: c[0].numel())
+                if g is None:
+                    p, n = min(candidates, key=lambda c: c[0].numel())
+                else:
+                    p, n = min(candidates, key=lambda c: (-c[0].grad._version, c[0].numel()))
                 if p is not t.rep:
                     t.hook(p, n)
         t.reset()

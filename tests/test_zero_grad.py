@@ -114,6 +114,34 @@ def test_forgotten_zero_grad_with_hand_written_updates_speaks_of_the_update_not_
     assert text.startswith("the update was checked at step 1") and "call model.zero_grad() once per step" in text
 
 
+class Gated(nn.Module):
+    """A rarely routed expert behind a scalar gate: the smallest parameter gets a gradient every 5th step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.expert = nn.Linear(4, 2)
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, use_expert: bool) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.gate.sigmoid() * self.expert(x) if use_expert else out
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_forgotten_zero_grad_is_found_when_the_smallest_parameter_is_rarely_used(forget: bool) -> None:
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(12)):
+            if not forget:
+                opt.zero_grad()
+            model(x, use_expert=i % 5 == 0).pow(2).mean().backward()
+            opt.step()
+    assert zero_kinds(gw) == ([("zero_grad_missing", 2)] if forget else []), kinds(gw)
+
+
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
     torch.manual_seed(0)
     model = Net()
