@@ -84,6 +84,9 @@ class _Tracker:
         # gradient was cleared since the previous backward pass.
         self.on_backward: Any = None
         self.on_cleared: Any = None
+        # With a representative the model does not own: one model parameter's gradient at the previous check.
+        self.model_param: torch.Tensor | None = None
+        self.model_ref: weakref.ref[torch.Tensor] | None = None
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
@@ -166,9 +169,16 @@ class ZeroGradTracker:
             candidates = [
                 (p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf and not is_lazy(p)
             ]
+            # Parameters the model does not own (a loss's centers or temperature) first: model.zero_grad()
+            # leaves them alone, so they are where a missing optimizer.zero_grad() shows.
+            foreign = set(op.foreign)
+            owned = [c for c in candidates if c[1] not in foreign]
+            candidates = [c for c in candidates if c[1] in foreign] or candidates
             if candidates:
                 p, n = min(candidates, key=lambda c: c[0].numel())
                 t.hook(p, n)
+                if n in foreign and owned:  # no hooks: is the model's own gradient a new tensor each step?
+                    t.model_param = min(owned, key=lambda c: c[0].numel())[0]
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
@@ -207,6 +217,10 @@ class ZeroGradTracker:
                 facts["changed_after_backward"] = True
                 if t.post_nonzero is not None:
                     ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
+        if t.model_param is not None:
+            mg = t.model_param.grad
+            facts["model_grad_replaced"] = mg is None or t.model_ref is None or mg is not t.model_ref()
+            t.model_ref = weakref.ref(mg) if mg is not None else None
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
         stats.extra["grads_cleared_before_step"] = cleared
@@ -262,6 +276,8 @@ class ZeroGradTracker:
     def close(self) -> None:
         for t in self.trackers:
             t.unhook()
+            t.model_param = None
+            t.model_ref = None
             t.base_ref = None
             t.post_ref = None
             t.old_nonzero = []

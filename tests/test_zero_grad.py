@@ -142,6 +142,29 @@ def test_forgotten_zero_grad_is_found_when_the_smallest_parameter_is_rarely_used
     assert zero_kinds(gw) == ([("zero_grad_missing", 2)] if forget else []), kinds(gw)
 
 
+# https://github.com/KaiyangZhou/pytorch-center-loss (the centers are trained by an optimizer too)
+@pytest.mark.parametrize("clear", ["model", "none"])
+def test_loss_parameters_not_cleared_by_model_zero_grad_are_named(clear: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    centers = nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.SGD([*model.parameters(), centers], lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(4):
+            if clear == "model":
+                model.zero_grad()  # leaves the centers' gradient in place
+            out = model(x)
+            (out.pow(2).mean() + (out[:, :1] - centers[:, :1].mean()).pow(2).mean()).backward()
+            opt.step()
+    assert zero_kinds(gw) == [("zero_grad_missing", 1)]
+    f = gw.findings[0]
+    if clear == "model":
+        assert f.params == ("<optimizer 0 group 0 param 4 (3, 2)>",)
+        assert "model.zero_grad() never clears them: call optimizer.zero_grad()" in f.message
+    else:
+        assert len(f.params) == 5 and "model.zero_grad() never clears them" not in f.message
+
+
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -34,6 +34,11 @@ def _missing(stats: StepStats) -> Finding:
     facts = stats.extra.get("zero_grad") or {}
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names)
+    foreign = set(stats.foreign)
+    # The evidence is a parameter model.zero_grad() never clears, while the model's own were cleared.
+    loss_side = facts.get("param") in foreign and bool(facts.get("model_grad_replaced"))
+    if loss_side:
+        params = tuple(n for n in stats.names if n in foreign)
     previous = facts.get("previous_step")
     previous = stats.step - 1 if not isinstance(previous, int) else previous
     with_optimizer = facts.get("has_optimizer", True)
@@ -53,10 +58,15 @@ def _missing(stats: StepStats) -> Finding:
             "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
             "effective step size grows with every step and points in stale directions; the loss stalls or "
             "diverges.\n"
-            f"Fix: call {clear} once per step before loss.backward(). "
-            f"Usual causes: zero_grad never called; {wrong}or called "
-            "before a backward() that belongs to the previous step. To accumulate over several micro-batches "
-            f"on purpose, call zero_grad() right after {after}."
+            + (
+                "Fix: these parameters belong to the optimizer but not to the model (a loss's centers, a learned "
+                "temperature), so model.zero_grad() never clears them: call optimizer.zero_grad() instead."
+                if loss_side
+                else f"Fix: call {clear} once per step before loss.backward(). "
+                f"Usual causes: zero_grad never called; {wrong}or called "
+                "before a backward() that belongs to the previous step. To accumulate over several "
+                f"micro-batches on purpose, call zero_grad() right after {after}."
+            )
         ),
         params=params,
         data={
