@@ -782,6 +782,20 @@ def _no_grad_graph(ctx: _Context) -> Finding:
                 "trainable after all, the graph was cut between the output and the loss: `.detach()`, "
                 "`.item()`, `.data`.)"
             )
+        elif frozen and connected:
+            # Both fit: the loss took a frozen part's output (a probe's backbone features instead of the
+            # head's), or the trainable output's graph was cut on the way to the loss.
+            cause_key = "frozen_or_detached"
+            it = "it" if len(connected) == 1 else "them"
+            causes.append(
+                f"the loss does not depend on {names_text(connected)}, which still "
+                f"{'has' if len(connected) == 1 else 'have'} a graph. Either it was computed from the output of "
+                f"a frozen part of the model ({len(frozen)} of {len(frozen) + len(trainable)} parameters have "
+                f"requires_grad=False: {names_text(frozen)}), e.g. the backbone's features instead of the "
+                f"trainable head's output: compute the loss from {it}; or the graph was cut between {it} and "
+                "the loss: `.detach()`, `.item()`/`.tolist()` followed by torch.tensor(...), `.data`, or a "
+                "torch.no_grad() block around the loss computation."
+            )
     if cause_key == "unknown":
         cause_key = "detached"
         hint = ""

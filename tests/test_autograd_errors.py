@@ -347,6 +347,33 @@ def test_no_grad_graph_from_frozen_parameters() -> None:
     assert "requires_grad=False" in f.message
 
 
+class LinearProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(4, 3).requires_grad_(False)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.backbone(x)
+        return features, self.head(features)
+
+
+# https://taourl.com/read-2220112.html (the error when fine-tuning with frozen layers)
+def test_loss_on_frozen_features_while_the_head_output_has_a_graph_names_both_causes() -> None:
+    model = LinearProbe()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            features, out = model(torch.randn(8, 4))
+            loss = (features - torch.randn(8, 3)).pow(2).mean()  # meant: out
+            opt.zero_grad()
+            loss.backward()
+    f = only(gw, "no_grad_graph")
+    assert f.data["cause"] == "frozen_or_detached"
+    assert "`out`" in f.message and "backbone.weight" in f.message and ".detach()" in f.message
+
+
 def test_no_grad_graph_through_frozen_layers_with_another_trainable_parameter_says_frozen() -> None:
     torch.manual_seed(0)
     model = Net()
