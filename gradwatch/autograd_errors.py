@@ -417,6 +417,10 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
             op=op or data["consumer"],
             data=data,
         )
+    if raw_op is None:
+        buffer = _modified_buffer(ctx, shape, now)
+        if buffer is not None:
+            return _buffer_finding(ctx, buffer, shape, now, expected, data)
     record = ctx.tracer.record_for(producer) if ctx.tracer is not None and producer is not None else None
     if record is None and ctx.tracer is not None and op is not None and ctx.tracer.traced_step:
         matches = ctx.tracer.find(op, shape, now)
@@ -452,6 +456,64 @@ def _modified_param(
                     nxt.append(child)
         frontier = nxt
     return None
+
+
+def _modified_buffer(ctx: _Context, shape: tuple[int, ...], now: int) -> tuple[str, torch.Tensor] | None:
+    """A buffer of the model (a queue, a memory bank, running statistics) that autograd saved (itself or
+    a view: views share its version counter) and that was then written in place."""
+    model = ctx.engine.model
+    if model is None:
+        return None
+    numel = 1
+    for d in shape:
+        numel *= d
+    for name, buf in model.named_buffers():
+        if buf._version == now and buf.numel() == numel and buf.is_floating_point():
+            return name, buf
+    return None
+
+
+def _buffer_finding(
+    ctx: _Context, buffer: tuple[str, torch.Tensor], shape: tuple[int, ...], now: int, expected: int,
+    data: dict[str, Any],
+) -> Finding:
+    name, buf = buffer
+    owner, _, attr = name.rpartition(".")
+    module = ctx.display_module(owner) if owner else ctx.display_module("")
+    mods = []
+    if ctx.tracer is not None and ctx.tracer.traced_step:
+        mods = [
+            r for r in ctx.tracer.inplace
+            if r.tensor() is buf or (r.base is not None and r.base() is buf)
+        ]
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: buffer {name} (shape {list(buf.shape)}) of module {module} "
+            f"was modified in place after the forward pass used it ({_versions_text(now, expected)}); autograd "
+            f"saved it (shape {list(shape)}) to compute a gradient."
+        )
+    ]
+    if mods:
+        src = _with_line(mods[0].source)
+        lines.append(
+            f"Modified by: {mods[0].op} in module {ctx.display_module(mods[0].module) or '<outside the model>'}"
+            + (f" at {src}" if src else "") + "."
+        )
+    data.update(buffer=name, module_exact=True, modified_by=mods[0].op if mods else None,
+                modified_at=_with_line(mods[0].source) if mods else None)
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines) + "\n" + _WHY_INPLACE + "\n" + (
+            f"Fix: update self.{attr} after backward() (e.g. in a method called after optimizer.step()), or let "
+            f"the forward use a copy: self.{attr}.clone() (a queue or memory bank, as in MoCo, is enqueued "
+            "after the loss was computed from a copy)."
+        ),
+        module=module,
+        op=mods[0].op if mods else None,
+        data=data,
+    )
 
 
 def _versions_text(now: int, expected: int) -> str:
@@ -528,7 +590,12 @@ def _inplace_untraced(
     if feeds is not None:
         where.append(f"its output feeds module {ctx.display_module(feeds[1])}")
     if where:
-        lines.append("Where (approximate: this step was not traced): " + "; ".join(where) + ".")
+        why = (
+            "the saved tensor is not an op output gradwatch traced"
+            if ctx.tracer is not None and ctx.tracer.traced_step
+            else "this step was not traced"
+        )
+        lines.append(f"Where (approximate: {why}): " + "; ".join(where) + ".")
     lines.append(
         "gradwatch names the exact module and the in-place op on the first watched step and while escalated; "
         "for an exact trace now, run one step under torch.autograd.set_detect_anomaly(True)."

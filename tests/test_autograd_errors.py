@@ -487,3 +487,31 @@ def test_tracing_does_not_change_the_training_result() -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+
+
+class QueueModel(nn.Module):
+    """A MoCo-style queue of keys, enqueued inside forward after the logits were computed from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, 3)
+        self.register_buffer("queue", torch.randn(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.encoder(x)
+        logits = q @ self.queue.t()
+        with torch.no_grad():
+            self.queue[:4] = q.detach()  # enqueue before backward: the saved queue changes
+        return logits
+
+
+# https://github.com/facebookresearch/moco/issues/128 (the queue written in place by _dequeue_and_enqueue)
+def test_buffer_written_in_place_after_the_forward_used_it_is_named_with_the_line() -> None:
+    model = QueueModel()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.step == 0 and f.data["buffer"] == "queue"
+    assert "buffer queue" in f.message and "self.queue[:4] = q.detach()" in f.message
+    assert "not traced" not in f.message and "self.queue.clone()" in f.message
