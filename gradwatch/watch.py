@@ -79,13 +79,15 @@ class Watcher:
         self._closure_step: set[int] = set()
         for i, opt in enumerate(optimizers):
             _WATCHED[opt] = self
-            self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre_step, i)))
-            self._handles.append(opt.register_step_post_hook(functools.partial(self._post_step, i)))
+            # Run eagerly under torch.compile(opt.step): dynamo would trace gradwatch's own Python (graph
+            # breaks at its sync, recompiles) and see no real gradients.
+            self._handles.append(opt.register_step_pre_hook(_eager(functools.partial(self._pre_step, i))))
+            self._handles.append(opt.register_step_post_hook(_eager(functools.partial(self._post_step, i))))
         # Any other optimizer's step: one that updates the watched model's parameters is reported (once).
         self._known: weakref.WeakSet[Any] = weakref.WeakSet([*given, *optimizers])
         self._in_watched_step = False
         if optimizers:
-            self._handles.append(register_optimizer_step_pre_hook(self._any_step))
+            self._handles.append(register_optimizer_step_pre_hook(_eager(self._any_step)))
         try:
             extensions = default_extensions(self.engine, scaler=scaler, integration="plain")
         except Exception as exc:  # noqa: BLE001 - watch on with the core checks only
@@ -264,6 +266,12 @@ def watch(
         []
     """
     return Watcher(model, optimizer, **config)
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` excluded from torch.compile tracing (it runs eagerly at the call)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

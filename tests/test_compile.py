@@ -125,3 +125,51 @@ def test_escalation_window_after_an_incident_adds_no_graph_break() -> None:
             opt.step()
     assert ("nonfinite_input", 2) in [(f.kind, f.step) for f in gw.findings]
     assert (graph_breaks(), counters["stats"]["unique_graphs"]) == (0, 1)
+
+
+def compiled_step_loop(opt: torch.optim.Optimizer, model: nn.Module, gw: Any, steps: int, *, zero: bool = True,
+                       nan_at: int | None = None) -> None:
+    step = torch.compile(opt.step, backend=BACKEND)  # the compiled-optimizer recipe
+    for i in range(steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(i))
+        loss = model(x).pow(2).mean()
+        if i == nan_at:
+            loss = loss * float("nan")
+        if zero:
+            opt.zero_grad()
+        loss.backward()
+        step()
+
+
+# https://pytorch.org/tutorials/recipes/compiling_optimizer.html
+def test_compiled_optimizer_step_is_checked_eagerly_with_no_graph_break() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    compiled_step_loop(opt, model, None, 3)
+    alone = (graph_breaks(), counters["stats"]["unique_graphs"])
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        compiled_step_loop(opt, model, gw, 3)
+    assert graph_breaks() <= alone[0] and counters["stats"]["unique_graphs"] == alone[1]
+    assert [f.kind for f in gw.findings if f.severity != "info"] == ["none_grad"]  # aux is never used
+    assert gw.summary().steps_checked == 3
+
+
+@pytest.mark.parametrize("bug", ["no_zero_grad", "nan"])
+def test_compiled_optimizer_step_finds_a_forgotten_zero_grad_and_skips_a_nan(bug: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        compiled_step_loop(opt, model, gw, 5, zero=bug != "no_zero_grad", nan_at=3 if bug == "nan" else None)
+    kinds = [(f.kind, f.step) for f in gw.findings if f.severity == "error"]
+    if bug == "nan":
+        assert ("nonfinite_grad", 3) in kinds, kinds
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    else:
+        assert ("zero_grad_missing", 1) in kinds, kinds
