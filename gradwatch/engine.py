@@ -339,6 +339,7 @@ class Engine:
         )
         self._first_check[opt_index] = False
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
+        stats.extra["optimizer"] = op.optimizer
         batch = SyncBatch()
         norm_slots = _queue_all_norms(batch, op, grads) if full else None
         if norm_slots is None:

@@ -237,3 +237,32 @@ def test_forgotten_unfreeze_is_explained_when_backward_fails() -> None:
                 opt.step()
     found = [f for f in gw.findings if f.kind == "no_grad_graph"]
     assert found and found[0].data.get("cause") == "all_frozen", [(f.kind, f.data) for f in gw.findings]
+
+
+# https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740
+@pytest.mark.parametrize(
+    "optimizer,set_to_none,expected",
+    [("adam", False, True), ("adamw_lr", False, True), ("adam", True, False), ("sgd", False, False)],
+)
+def test_layer_frozen_mid_run_that_the_optimizer_still_moves_is_reported(
+    optimizer: str, set_to_none: bool, expected: bool
+) -> None:
+    model = mlp()
+    if optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    elif optimizer == "adamw_lr":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # no momentum, no decay: a zero grad moves nothing
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, (x, y) in enumerate(data(10)):
+            if i == 5:
+                model[0].requires_grad_(False)
+                frozen = model[0].weight.detach().clone()
+            opt.zero_grad(set_to_none=set_to_none)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    moved = not torch.equal(frozen, model[0].weight)
+    found = [f for f in gw.findings if f.kind == "frozen_param_updated"]
+    assert moved is expected  # the ground truth the finding must match
+    assert [(f.step, f.params) for f in found] == ([(5, ("0.weight", "0.bias"))] if expected else [])

@@ -1,0 +1,80 @@
+"""``frozen_param_updated``: parameters frozen with ``requires_grad_(False)`` that the optimizer still moves.
+
+Freezing a layer mid-run with ``requires_grad_(False)`` stops new gradients, but ``zero_grad(set_to_none=
+False)`` leaves a zero gradient tensor in place, and an optimizer steps every parameter that has one:
+Adam and SGD with momentum keep moving it with their running averages, weight decay shrinks it. The
+"frozen" layer drifts. Healthy steps cost one C-level pass over the ``requires_grad`` flags; reported once
+per set of such parameters.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding, names_text
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+_KEY = "frozen_param_updated"
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_MOVING_STATE = ("momentum_buffer", "exp_avg", "square_avg", "acc_delta", "exp_inf", "ax", "mu_product")
+
+
+def _moved(stats: StepStats) -> tuple[list[str], list[str]]:
+    """Frozen parameters the step will still move, and why (momentum / weight decay)."""
+    params = stats.extra.get("params")
+    if not isinstance(params, list) or len(params) != len(stats.names) or all(map(_REQUIRES_GRAD, params)):
+        return [], []
+    opt: Any = stats.extra.get("optimizer")
+    if opt is None:
+        return [], []
+    decay = {id(p) for g in opt.param_groups if g.get("weight_decay", 0) for p in g["params"]}
+    names: list[str] = []
+    why: set[str] = set()
+    for n, p in zip(stats.names, params):
+        if p.requires_grad:
+            continue
+        state = opt.state.get(p) or {}
+        momentum = any(k in state for k in _MOVING_STATE)
+        if momentum or id(p) in decay:
+            names.append(n)
+            why.update(["momentum"] if momentum else [])
+            why.update(["weight decay"] if id(p) in decay else [])
+    return names, sorted(why)
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    names, why = _moved(stats)
+    if not names or history.reported.get(_KEY) == tuple(names):
+        return []
+    opt = stats.extra.get("optimizer")
+    kind = type(opt).__name__
+    return [
+        Finding(
+            kind=_KEY,
+            step=stats.step,
+            severity="warning",
+            message=(
+                f"{len(names)} parameter(s) have requires_grad=False but still hold a gradient at step "
+                f"{stats.step} (a zero tensor that zero_grad(set_to_none=False) keeps), so {kind} keeps "
+                f"updating them with its {' and '.join(why)}: {names_text(names)}.\n"
+                "Why it matters: the layers you froze keep drifting; fine-tuning or a frozen teacher silently "
+                "changes.\n"
+                "Fix: when freezing, also drop their gradients (p.grad = None, or zero_grad(set_to_none=True), "
+                "the default), or remove them from the optimizer; a param group with lr=0 still applies weight "
+                "decay in AdamW."
+            ),
+            params=tuple(names),
+            data={"optimizer": stats.optimizer_index, "causes": why, "count": len(names)},
+        )
+    ]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    if stats.extra.get("params") is None:
+        return
+    names, _ = _moved(stats) if not all(map(_REQUIRES_GRAD, stats.extra["params"])) else ([], [])
+    if names:
+        history.reported[_KEY] = tuple(names)
