@@ -119,6 +119,8 @@ class Engine:
         # skipped batch): read with the next step, never held against its update.
         self._stale_losses: list[torch.Tensor] = []
         self._loss_mark = 0  # len(self._losses) when the latest backward pass reached the gradients
+        #: Gradients were cleared between two backward passes since the previous check (single optimizer).
+        self.cleared_between_backwards = False
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -258,6 +260,7 @@ class Engine:
     def gradients_cleared(self) -> None:
         """The gradients were cleared (``zero_grad``) since the latest backward pass and no optimizer step
         took them: the losses observed up to that backward went with gradients nobody used."""
+        self.cleared_between_backwards = True
         mark, self._loss_mark = self._loss_mark, 0
         if mark:
             self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
@@ -340,6 +343,9 @@ class Engine:
         self._first_check[opt_index] = False
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
+        if self.cleared_between_backwards:
+            stats.extra["cleared_between_backwards"] = True
+            self.cleared_between_backwards = False
         batch = SyncBatch()
         norm_slots = _queue_all_norms(batch, op, grads) if full else None
         if norm_slots is None:

@@ -211,6 +211,10 @@ class ZeroGradTracker:
         if t.accumulations > 0:
             if not ctx.grads:
                 cleared = True
+            elif g is None:
+                # A backward reached it, then its gradient was set to None, and later backward passes gave
+                # other parameters theirs: zero_grad() between two backward passes of this step.
+                stats.extra["cleared_between_backwards"] = True
             elif g is not None and t.post_ref is not None and t.post_ref() is g and g._version > t.post_version:
                 # Modified in place after the last backward: zeroed, or clipped/unscaled? The step's norms
                 # (all zero?) and whether the gradient held anything right after backward decide.

@@ -165,6 +165,32 @@ def test_loss_parameters_not_cleared_by_model_zero_grad_are_named(clear: str) ->
         assert len(f.params) == 5 and "model.zero_grad() never clears them" not in f.message
 
 
+# https://discuss.pytorch.org/t/how-to-use-the-backward-functions-for-multiple-losses/1826
+@pytest.mark.parametrize("bug", [True, False])
+def test_zero_grad_between_two_backward_passes_of_one_step_is_named_as_the_cause(bug: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(3):
+            h = model.encoder(x)
+            task = model.head(h).pow(2).mean()
+            regularizer = 1e-3 * h.pow(2).mean()  # reaches the encoder only
+            opt.zero_grad()
+            task.backward(retain_graph=True)
+            if bug:
+                opt.zero_grad()  # wipes the task loss's gradients
+            regularizer.backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "none_grad"]
+    if bug:
+        assert [(f.step, f.params) for f in found] == [(0, ("head.weight", "head.bias"))]
+        assert found[0].data["cleared_between_backwards"] is True
+        assert "zero_grad() ran between this step's backward passes" in found[0].message
+    else:
+        assert found == []
+
+
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -19,6 +19,15 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if not fresh:
         return []
     modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in fresh})
+    cleared = bool(stats.extra.get("cleared_between_backwards"))
+    cause = (
+        "Likely cause here: zero_grad() ran between this step's backward passes and wiped what the earlier "
+        "loss's backward gave them (two losses with retain_graph=True, zero_grad() in between). Call "
+        "zero_grad() once per step, before the first backward(); or, if that clearing is meant (SAM, "
+        "adversarial examples), use them in the last loss too.\n"
+        if cleared
+        else ""
+    )
     return [
         Finding(
             kind="none_grad",
@@ -29,7 +38,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 f"gradient at step {stats.step}: {names_text(fresh)}.\n"
                 "Why it matters: the optimizer never updates them (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
-                "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
+                + cause
+                + "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
                 "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
                 "or leave them out of the optimizer."
             ),
@@ -40,6 +50,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "count": len(fresh),
                 "none_grad_now": len(stats.none_grad),
                 "optimizer": stats.optimizer_index,
+                "cleared_between_backwards": cleared,
             },
         )
     ]
