@@ -524,9 +524,18 @@ def _versions_text(now: int, expected: int) -> str:
 def _inplace_traced(
     ctx: _Context, record: OpRecord, op: str, shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any]
 ) -> Finding:
+    earlier = ctx.tracer.before_inplace(record) if ctx.tracer is not None else None
+    if earlier is not None:
+        # PyTorch names the in-place op's own node (the tensor's grad_fn now); autograd saved the value
+        # that op overwrote, i.e. the output of the op before it.
+        record = earlier[0]
+        op = node_op(record.node) if record.node is not None else record.op
+        data["error_names"] = data.get("node")
     module = ctx.display_module(record.module)
     source = _with_line(record.source)
     mods: list[InplaceRecord] = ctx.tracer.modifications_of(record) if ctx.tracer is not None else []
+    if earlier is not None and not mods:
+        mods = [earlier[1]]
     lines = [
         (
             f"backward() failed at step {ctx.step}: the output of {op} (shape {list(shape)}) was modified by an "

@@ -300,6 +300,18 @@ class ForwardTracer:
         """Traced in-place ops that changed ``record``'s output (directly or through a view)."""
         return list(record.modified_by)
 
+    def before_inplace(self, record: OpRecord) -> tuple[OpRecord, InplaceRecord] | None:
+        """When ``record`` is an in-place op's own output (``z /= n`` gives ``z`` the node ``DivBackward0``),
+        the record of the value it overwrote and the in-place event: autograd saved that earlier value."""
+        t = record.tensor()
+        if t is None:
+            return None
+        event = next((e for e in self.inplace if e.tensor() is t), None)
+        original = self._by_tensor.get(id(t))
+        if event is None or original is None or original is record or original.tensor() is not t:
+            return None
+        return original, event
+
     def find(self, op: str, shape: tuple[int, ...], version: int | None = None) -> list[OpRecord]:
         """Traced records by op name (``"Sigmoid"`` matches ``SigmoidBackward0``) and shape."""
         out = []

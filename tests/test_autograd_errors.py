@@ -515,3 +515,26 @@ def test_buffer_written_in_place_after_the_forward_used_it_is_named_with_the_lin
     assert f.step == 0 and f.data["buffer"] == "queue"
     assert "buffer queue" in f.message and "self.queue[:4] = q.detach()" in f.message
     assert "not traced" not in f.message and "self.queue.clone()" in f.message
+
+
+class NormalizeInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.enc(x)
+        z /= z.norm(dim=1, keepdim=True)  # the norm saved z; the division overwrites it
+        return self.head(z)
+
+
+# https://discuss.pytorch.org/t/encounter-the-runtimeerror-one-of-the-variables-needed-for-gradient-computation-has-been-modified-by-an-inplace-operation/836
+def test_inplace_division_names_the_overwritten_output_not_the_division() -> None:
+    model = NormalizeInPlace()
+    with pytest.raises(RuntimeError, match="which is output 0 of Div,"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.op, f.module) == (0, "Addmm", "enc")
+    assert f.data["modified_by"] == "div_" and "z /= z.norm" in f.data["modified_at"]
