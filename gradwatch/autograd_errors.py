@@ -48,6 +48,7 @@ _OTHER_FORWARD_INPLACE = (
 )
 _ANOMALY_NAN = re.compile(r"Function '(?P<op>\w+)' returned nan values in its (?P<index>\d+)\w* output")
 _TWICE = "Trying to backward through the graph a second time"
+_REDUCTIONS = frozenset({"Mean", "Sum", "Amax", "Amin", "Max", "Min", "Norm", "LinalgVectorNorm", "Prod", "Logsumexp"})
 _NO_GRAD = "does not require grad and does not have a grad_fn"
 _NONSCALAR = "grad can be implicitly created only for"
 
@@ -924,11 +925,14 @@ def _nonscalar(ctx: _Context) -> Finding:
     grad_fn = loss.grad_fn if loss is not None else None
     node = grad_fn.name() if grad_fn is not None else None
     module = None
+    reduced = None
     if loss is not None and loss.grad_fn is not None:
         # Down a short chain of single-input ops (Lightning divides by accumulate_grad_batches, a loss
         # may be scaled): is this the unreduced output of a module?
         n: Any = loss.grad_fn
         for _ in range(4):
+            if node_op(n) in _REDUCTIONS:
+                reduced = node_op(n)
             own = _own_param(ctx, n)
             if own is not None:
                 module = ctx.display_module(own[1])
@@ -939,7 +943,12 @@ def _nonscalar(ctx: _Context) -> Finding:
             n = inner[0]
     shape_text = f" of shape {shape}" if shape is not None else ""
     origin = ""
-    if module is not None:
+    if module is not None and reduced is not None:
+        origin = (
+            f" It comes from the output of module {module}, reduced ({reduced}) over some dimensions but not "
+            "all of them (e.g. .mean(dim=1))."
+        )
+    elif module is not None:
         origin = f" It comes straight from the output of module {module}, with no reduction in between."
     elif grad_fn is not None:
         origin = f" It is the output of {node_op(grad_fn)}."

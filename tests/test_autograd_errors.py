@@ -538,3 +538,17 @@ def test_inplace_division_names_the_overwritten_output_not_the_division() -> Non
     f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
     assert (f.step, f.op, f.module) == (0, "Addmm", "enc")
     assert f.data["modified_by"] == "div_" and "z /= z.norm" in f.data["modified_at"]
+
+
+# https://discuss.pytorch.org/t/loss-backward-raises-error-grad-can-be-implicitly-created-only-for-scalar-outputs/12152
+def test_loss_reduced_over_one_dimension_only_says_so() -> None:
+    model = Net()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        model(x).pow(2).mean(dim=1).backward()  # one loss per sample
+
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        run(model, body)
+    f = only(run.gw, "nonscalar_backward")  # type: ignore[attr-defined]
+    assert f.data["shape"] == [4] and "reduced (Mean) over some dimensions but not all" in f.message
+    assert "no reduction in between" not in f.message
