@@ -518,6 +518,11 @@ class Escalation:
             else:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
         named = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
+        # The same tensor fed to several forward calls of the step (SAM's two passes) is listed once.
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
+        for n, t in named:
+            unique.setdefault(id(t), (n, t))
+        named = list(unique.values())
         if not named:
             return []
         with torch.no_grad():

@@ -105,6 +105,8 @@ def test_sam_is_checked_every_step_and_a_nan_batch_is_skipped(style: str) -> Non
     assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {5}
     assert not [k for k in kinds(gw) if k[0] == "unwatched_optimizer"]
     assert finite(model)
+    inputs = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert inputs and inputs[0].message.count("args[0]") == 1  # one batch, fed to both passes
 
 
 def test_sam_healthy_run_is_silent_and_unchanged() -> None:
