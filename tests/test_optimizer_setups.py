@@ -105,6 +105,7 @@ def test_sam_is_checked_every_step_and_a_nan_batch_is_skipped(style: str) -> Non
     assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {5}
     assert not [k for k in kinds(gw) if k[0] == "unwatched_optimizer"]
     assert finite(model)
+    assert not [f for f in gw.findings if f.data.get("no_update")]  # the first pass is the same step's
     inputs = [f for f in gw.findings if f.kind == "nonfinite_input"]
     assert inputs and inputs[0].message.count("args[0]") == 1  # one batch, fed to both passes
 

@@ -20,7 +20,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     out: list[Finding] = []
     action = _ACTION[config.on_nonfinite]
     stale = [v for v in stats.extra.get("stale_losses") or () if not math.isfinite(v)]
-    if stale:
+    # When the step itself is non-finite, the errors below cover it (SAM's first pass, whose gradients
+    # were cleared before the second, is part of the same step).
+    if stale and not stats.nonfinite:
         out.append(
             Finding(
                 kind="nonfinite_loss",
