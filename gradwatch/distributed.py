@@ -20,7 +20,16 @@ every finding carries ``data["rank"]``, and non-finite findings ``data["ranks"]`
 
 Under DDP the gradients are averaged across ranks before the optimizer step, so a NaN on one rank
 usually reaches every rank; the agreement matters when it does not (losses, gradients that DDP does
-not reduce, FSDP shards, ``no_sync`` accumulation, hand-written reductions), and for ``"raise"``.
+not reduce, FSDP shards, ``no_sync`` accumulation, hand-written reductions), and for ``"raise"``. When
+the NaN/Inf reached this rank from another one, the exchange also carries whether each rank's input
+batch held NaN/Inf (read on the incident only), so rank zero names the rank whose data was the cause.
+
+Uneven inputs (``with ddp_model.join():``, or any ``torch.distributed.algorithms.Join`` over the watched
+DDP module or optimizer): ranks make different numbers of optimizer steps, and the join context only
+shadows the collectives of its joinables, not gradwatch's. From the first checked step inside such a
+context on, gradwatch runs no collective of its own (for the rest of the run: afterwards the ranks'
+step counters differ, so ``every=N`` would no longer select the same steps) and every rank decides
+alone. DDP's all-reduce makes the gradients identical across ranks, so a decision on them still agrees.
 """
 
 from __future__ import annotations
@@ -86,6 +95,12 @@ class RankAgreement:
         self._index_seen: Any = None
         self._any_sharded = False
         self._warned_sharding = False
+        # Objects whose ``_join_config`` says whether a ``Join`` context (uneven inputs) covers them.
+        self._joinables: list[Any] = []
+        self._uneven = False  # a join context was seen: no collective of gradwatch's own from then on
+        self._ddp_spotter: Any = None
+        self._ddp_cls: Any = None
+        self._spotted: Any = None  # the DDP wrapper whose forward ran the watched model (see _spot_ddp)
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -95,16 +110,83 @@ class RankAgreement:
         self._engine = engine
         engine.finding_tags["rank"] = self.rank
         model = engine.model
+        self._find_joinables(engine)
         if engine.config.escalate and model is not None and any(_is_dtensor(p) for p in model.parameters()):
             # Sharded modules all-gather their parameters inside forward: a localization replay that
             # only the ranks with an incident run would leave the others waiting in a collective.
             engine.config = engine.config.replace(escalate=False)
+
+    # -- uneven inputs: is a Join context in charge? ------------------------------------------------
+    def _find_joinables(self, engine: Any) -> None:
+        """The watched DDP module (also through ``torch.compile``'s wrapper) and optimizers (ZeRO) that a
+        ``Join`` context can cover. When the watched model is the module *inside* a DDP wrapper, the wrapper
+        is spotted during the forward (:meth:`_spot_ddp`)."""
+        seen: set[int] = set()
+        obj, depth = engine.model, 0
+        while obj is not None and depth < 4 and id(obj) not in seen:
+            seen.add(id(obj))
+            if hasattr(obj, "_join_config"):
+                self._joinables.append(obj)
+            inner = getattr(obj, "_orig_mod", None)
+            obj = inner if inner is not None else getattr(obj, "module", None)
+            depth += 1
+        for opt in engine.optimizers:
+            if hasattr(opt, "_join_config"):
+                self._joinables.append(opt)
+        model = engine.model
+        self._ddp_cls = _ddp_class()
+        found = self._ddp_cls is not None and any(isinstance(j, self._ddp_cls) for j in self._joinables)
+        if self._ddp_cls is not None and not found and isinstance(model, torch.nn.Module):
+            self._ddp_spotter = model.register_forward_pre_hook(self._spot_ddp)
+
+    def _spot_ddp(self, module: Any, args: Any) -> None:
+        # DDP's forward names itself in a class attribute while it runs the wrapped module. O(1), and kept
+        # this small (no hook removal, no try) so that Dynamo traces it without a graph break when the
+        # model is compiled; the hook stays until the run ends (removing it would cost a recompile).
+        ddp = self._ddp_cls._active_ddp_module
+        if ddp is not None:
+            self._spotted = ddp
+
+    def _remove_spotter(self) -> None:
+        if self._ddp_spotter is not None:
+            self._ddp_spotter.remove()
+            self._ddp_spotter = None
+
+    def _in_join(self) -> bool:
+        """A ``Join`` context (uneven inputs) covers the watched module or optimizer, now or earlier in the
+        run. ``Join`` sets ``_join_config`` on its joinables when it is created (before any step of its
+        block, on every rank) and never resets it; gradwatch stays local once it has seen it anyway."""
+        spotted = self._spotted
+        if spotted is not None:
+            self._spotted = None
+            if hasattr(spotted, "_join_config") and all(j is not spotted for j in self._joinables):
+                self._joinables.append(spotted)
+        if not self._uneven:
+            for j in self._joinables:
+                if getattr(getattr(j, "_join_config", None), "enable", False):
+                    self._uneven = True
+                    break
+        return self._uneven
+
+    def close(self) -> None:
+        self._remove_spotter()
+        self._joinables = []
 
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
         self._slot = -1
         dist = _dist()
         if dist is None or self.world < 2:
+            return
+        if self._in_join():
+            # Uneven inputs: a rank that has run out of batches makes no more optimizer steps, and the join
+            # context shadows only DDP's own collectives, so an all_reduce of gradwatch's would leave the
+            # other ranks waiting (or pair with one of DDP's). No collective, every rank decides alone. DDP's
+            # gradient all-reduce makes the gradients identical across ranks, so a decision on them agrees.
+            # Given up for the rest of the run: agreement on what DDP does not reduce (a NaN/Inf only in one
+            # rank's loss, a gradient outside DDP, hand-written reductions: that rank alone skips, and its
+            # replica differs until the join context's final model sync), ``on_nonfinite="raise"`` on every
+            # rank for those, rank zero naming another rank's parameters or data, and sharded norms.
             return
         batch = ctx.batch
         parts = [batch.part(slot) for slot, _ in ctx.norm_slots]
@@ -220,6 +302,8 @@ class RankAgreement:
             "nan": sum(stats.nan_counts.values()),
             "inf": sum(stats.inf_counts.values()),
             "loss_nonfinite": stats.loss_nonfinite,
+            "loss_observed": stats.loss is not None,
+            "inputs": self._bad_inputs(stats),
         }
         if dist is None:
             return [mine]
@@ -227,19 +311,51 @@ class RankAgreement:
         dist.all_gather_object(out, mine, group=self.group)
         return [r for r in out if isinstance(r, dict)]
 
+    def _bad_inputs(self, stats: StepStats) -> list[list[Any]]:
+        """This rank's step inputs that hold NaN/Inf, ``[[name, nan, inf], ...]`` (incident path: one read).
+
+        Never raises: every rank must reach the exchange's collective."""
+        try:
+            engine = self._engine
+            if not stats.is_nonfinite or engine is None or engine.config.deferred:
+                return []  # deferred: the statistics are a step old, the held inputs are the next step's
+            from gradwatch.escalation import Escalation
+
+            esc = engine.extension(Escalation)
+            find = getattr(esc, "_nonfinite_inputs", None)
+            if esc is None or not esc.active or find is None:
+                return []  # escalate=False: no inputs are held
+            return [[str(n), int(a), int(b)] for n, a, b in find()[:8]]
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("RankAgreement (inputs)", exc, owner=self._engine, key="RankAgreement.inputs")
+            return []
+
     # -- incident: say which ranks ----------------------------------------------------------------
     def on_incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
         ranks = stats.extra.get("nonfinite_ranks")
         if not ranks:
             return []
+        reports = stats.extra.get("rank_reports") or []
+        input_ranks = sorted(r.get("rank", 0) for r in reports if r.get("inputs"))
         for f in findings:
             if f.kind in NONFINITE_KINDS:
                 f.data.setdefault("ranks", list(ranks))
-        if stats.is_nonfinite:
-            return []
-        return [
-            other_rank_finding(stats, ranks, stats.extra.get("rank_reports") or [], self._engine.config.on_nonfinite)
-        ]
+            elif f.kind == "nonfinite_input" and input_ranks:
+                f.data.setdefault("ranks", list(input_ranks))
+        policy = self._engine.config.on_nonfinite
+        if not stats.is_nonfinite:
+            return [other_rank_finding(stats, ranks, reports, policy)]
+        # This rank saw NaN/Inf too; when its own inputs and loss were finite, it most likely came from
+        # another rank through the gradient all-reduce (DDP): name that rank, and its data when it was that.
+        if self.rank in input_ranks:
+            return []  # this rank's own nonfinite_input finding names the data (and the ranks)
+        mine: dict[str, Any] = next((r for r in reports if r.get("rank") == self.rank), {})
+        if input_ranks:
+            return [other_rank_input_finding(stats, input_ranks, reports, policy)]
+        loss_ranks = sorted(r.get("rank", 0) for r in reports if r.get("loss_nonfinite"))
+        if loss_ranks and mine.get("loss_observed") and not mine.get("loss_nonfinite"):
+            return [other_rank_finding(stats, loss_ranks, reports, policy, carried=True)]
+        return []
 
 
 _ACTION = {
@@ -249,10 +365,14 @@ _ACTION = {
 }
 
 
-def other_rank_finding(stats: StepStats, ranks: list[int], reports: list[dict[str, Any]], policy: str) -> Finding:
-    """The finding a rank reports when only other ranks saw non-finite values this step."""
+def other_rank_finding(
+    stats: StepStats, ranks: list[int], reports: list[dict[str, Any]], policy: str, *, carried: bool = False
+) -> Finding:
+    """The finding a rank reports when only other ranks saw non-finite values this step (``carried``: this
+    rank saw them too, in its gradients only, while its loss was finite: they came from those ranks)."""
     lines = []
     params: list[str] = []
+    data_ranks: list[int] = []
     for r in sorted(reports, key=lambda d: d.get("rank", 0)):
         if r.get("rank") not in ranks:
             continue
@@ -265,22 +385,89 @@ def other_rank_finding(stats: StepStats, ranks: list[int], reports: list[dict[st
             params.extend(n for n in r.get("nonfinite") or [] if n not in params)
         if r.get("loss_nonfinite"):
             what.append("a non-finite loss")
+        if r.get("inputs"):
+            what.append(f"an input batch with NaN/Inf ({_inputs_text(r['inputs'])})")
+            data_ranks.append(r.get("rank", 0))
         lines.append(f"  rank {r.get('rank')}: " + ("; ".join(what) or "non-finite values"))
     where = "\n".join(lines) if lines else f"  rank(s) {', '.join(map(str, ranks))}"
+    head = f"Rank(s) {', '.join(map(str, ranks))} saw non-finite values at step {stats.step}:\n{where}\n"
+    if carried:
+        head = (
+            f"The non-finite gradients of step {stats.step} came from {_ranks_text(ranks)}: the loss there was "
+            "non-finite while this rank's was finite, and the gradient all-reduce carried the NaN/Inf to "
+            f"every rank.\n{where}\n"
+        )
+    cause = ""
+    if data_ranks:
+        cause = (
+            f"The data on {_ranks_text(data_ranks)} is the cause: the input batch there held NaN/Inf before "
+            "the model ran.\n"
+        )
     return Finding(
         kind="nonfinite_on_other_rank",
         step=stats.step,
         severity="error",
         message=(
-            f"Rank(s) {', '.join(map(str, ranks))} saw non-finite values at step {stats.step}:\n{where}\n"
+            f"{head}{cause}"
             f"{_ACTION.get(policy, '')}\nWhy it matters: one rank's NaN reaches every replica through the "
             "gradient all-reduce (or leaves the replicas out of step if it does not).\n"
             "Fix: look at the batch that rank got at this step (a bad sample or data shard); that rank's "
             "own findings (``gw.findings`` there) name the op when gradwatch could localize it."
         ),
         params=tuple(params),
-        data={"ranks": list(ranks), "reports": reports, "optimizer": stats.optimizer_index},
+        data={
+            "ranks": list(ranks),
+            "input_ranks": data_ranks,
+            "reports": reports,
+            "optimizer": stats.optimizer_index,
+        },
     )
+
+
+def other_rank_input_finding(
+    stats: StepStats, input_ranks: list[int], reports: list[dict[str, Any]], policy: str
+) -> Finding:
+    """``nonfinite_input`` on a rank whose own inputs were finite: another rank's batch held NaN/Inf and the
+    gradient all-reduce carried it here."""
+    rows: list[dict[str, Any]] = []
+    lines = []
+    for r in sorted(reports, key=lambda d: d.get("rank", 0)):
+        if r.get("rank") not in input_ranks:
+            continue
+        lines.append(f"  rank {r.get('rank')}: {_inputs_text(r['inputs'])}")
+        rows.extend({"rank": r.get("rank"), "input": n, "nan": a, "inf": b} for n, a, b in r["inputs"])
+    which = _ranks_text(input_ranks)
+    return Finding(
+        kind="nonfinite_input",
+        step=stats.step,
+        severity="error",
+        message=(
+            f"The input batch of {which} at step {stats.step} already held non-finite values before "
+            f"the model ran:\n" + "\n".join(lines) + "\n"
+            f"The data on {which}, not the model, is the cause: this rank's own inputs were finite, and "
+            "the gradient all-reduce carried the NaN/Inf into every rank's gradients.\n"
+            f"{_ACTION.get(policy, '')}\n"
+            f"Fix: look at the batch {which} got at this step (its data shard: missing values in the "
+            "dataset, a normalization by a zero std, a broken augmentation); filter or impute bad samples, and "
+            "assert torch.isfinite(x).all() in the data pipeline while debugging."
+        ),
+        data={"ranks": list(input_ranks), "inputs": rows, "table": rows, "optimizer": stats.optimizer_index},
+    )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _inputs_text(inputs: list[Any]) -> str:
+    return ", ".join(f"{n} ({a} NaN, {b} Inf)" for n, a, b in inputs)
+
+
+def _ddp_class() -> Any:
+    import sys
+
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(module, "DistributedDataParallel", None) if module is not None else None
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -1,11 +1,14 @@
 """One rank of the two-process gloo runs in ``test_distributed.py``.
 
-Usage: ``python tests/_dist_worker.py RANK WORLD PORT OUT_DIR``. Runs every scenario below in one
-process group (one process start-up for all of them) and writes ``OUT_DIR/rank{RANK}.json``.
+Usage: ``python tests/_dist_worker.py RANK WORLD PORT OUT_DIR [NAMES]``. Runs the scenarios named in
+``NAMES`` (comma-separated; default: every scenario of ``SCENARIOS``) in one process group (one process
+start-up for all of them) and writes ``OUT_DIR/rank{RANK}.json``. The uneven-input scenarios
+(``UNEVEN``) run only when named: before gradwatch stood aside under ``join()`` they hung.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -130,6 +133,74 @@ def ddp_nan(rank: int) -> dict[str, Any]:
     }
 
 
+def ddp_nan_input(rank: int, escalate: bool) -> dict[str, Any]:
+    """DDP, a NaN in one sample of rank 1's batch at NAN_STEP; rank 0's data is finite. ``escalate=False``
+    holds no inputs: then only the observed losses can say where the NaN came from."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    console = text_console()
+    with gradwatch.watch(model, opt, console=console, escalate=escalate) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            if not escalate:
+                gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(model.module),
+        "skipped": gw.engine.steps_skipped,
+    }
+
+
+def join_uneven(rank: int, watched: str | None, nan: bool = False) -> dict[str, Any]:
+    """DDP with uneven inputs under ``model.join()``: rank 0 has 5 batches, rank 1 has 2, then (without
+    ``nan``) 3 more even steps after the join block, when the ranks' step counters differ. ``watched``:
+    ``"ddp"`` (the wrapper), ``"inner"`` (the module inside it) or None (no gradwatch). ``nan``: a NaN in
+    rank 1's batch at step 1 (both ranks active) and in rank 0's at step 4 (rank 1 has joined)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Net()
+    model = DDP(inner)
+    # No momentum: the ranks' optimizer states would differ after uneven steps (the join syncs the weights
+    # only), and so would the replicas, with or without gradwatch.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    console = text_console()
+    target = {"ddp": model, "inner": inner}.get(watched or "")
+    every = 1 if nan else 2  # every=2: the steps after the join block would select different iterations
+    cm = gradwatch.watch(target, opt, console=console, every=every) if target is not None else None
+    done = 0
+    with cm if cm is not None else contextlib.nullcontext() as gw:
+        with model.join():
+            for step in range(5 if rank == 0 else 2):
+                bad = nan and ((rank == 1 and step == 1) or (rank == 0 and step == 4))
+                loss = model(batch(step + rank * 50, rank, bad=bad)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                done += 1
+        for step in range(0 if nan else 3):
+            loss = model(batch(step + 10 + rank * 50, rank, bad=False)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+    return {
+        "findings": [f.to_dict() for f in gw.findings] if gw is not None else [],
+        "console": console.file.getvalue(),
+        "params": flat_params(inner),
+        "done": done,
+        "skipped": gw.engine.steps_skipped if gw is not None else 0,
+        "checked": gw.engine.steps_checked if gw is not None else 0,
+    }
+
+
 def fsdp(rank: int, nan: bool) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
@@ -172,8 +243,17 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_unused_wrapped": lambda r: ddp_unused(r, wrapped=True),
     "ddp_unused_inner": lambda r: ddp_unused(r, wrapped=False),
     "ddp_nan": ddp_nan,
+    "ddp_nan_input": lambda r: ddp_nan_input(r, escalate=True),
+    "ddp_nan_loss": lambda r: ddp_nan_input(r, escalate=False),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
+}
+
+UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
+    "join_unwatched": lambda r: join_uneven(r, None),
+    "join_ddp": lambda r: join_uneven(r, "ddp"),
+    "join_inner": lambda r: join_uneven(r, "inner"),
+    "join_nan": lambda r: join_uneven(r, "ddp", nan=True),
 }
 
 
@@ -188,7 +268,7 @@ def main() -> None:
     try:
         for name in names:
             try:
-                results[name] = SCENARIOS[name](rank)
+                results[name] = {**SCENARIOS, **UNEVEN}[name](rank)
             except Exception:  # noqa: BLE001 - reported to the test, which fails on it
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()

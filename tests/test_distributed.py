@@ -32,8 +32,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(tmp: str, *args: str) -> tuple[list[int | None], list[str]]:
-    """Start both ranks; kill both if either is still running after TIMEOUT seconds."""
+def launch(tmp: str, *args: str, timeout: float = TIMEOUT) -> tuple[list[int | None], list[str]]:
+    """Start both ranks; kill both if either is still running after ``timeout`` seconds."""
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
@@ -50,7 +50,7 @@ def launch(tmp: str, *args: str) -> tuple[list[int | None], list[str]]:
     logs: list[str] = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=TIMEOUT)
+            out, _ = p.communicate(timeout=timeout)
             codes.append(p.returncode)
         except subprocess.TimeoutExpired:
             for q in procs:
@@ -66,6 +66,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist"))
     codes, logs = launch(tmp)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {TIMEOUT}s): {codes}\n" + "\n".join(logs)
+    return read_runs(tmp)
+
+
+def read_runs(tmp: str) -> list[dict[str, Any]]:
     out = []
     for rank in (0, 1):
         with open(os.path.join(tmp, f"rank{rank}.json")) as f:
@@ -140,6 +144,72 @@ def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[st
     for r in (r0, r1):
         (f,) = [f for f in r["findings"] if f["kind"] == "none_grad"]
         assert f["params"] == ["aux.weight", "aux.bias"]  # no "module." prefix from the DDP wrapper
+
+
+# -- DDP, NaN in rank 1's data: rank zero (the one that prints) names rank 1 and its data as the cause -----
+def test_ddp_nan_in_one_ranks_inputs_is_named_with_that_rank_on_rank_zero(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_nan_input")
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["params"] == r1["params"]
+    assert ("nonfinite_grad", 3) in kinds(r0)  # DDP's all-reduce carried rank 1's NaN here
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_input"]
+    assert f["step"] == 3 and f["data"]["ranks"] == [1] and f["data"]["rank"] == 0
+    assert [(i["rank"], i["nan"]) for i in f["data"]["inputs"]] == [(1, 1)]
+    assert "The data on rank 1, not the model, is the cause" in r0["console"]
+    assert "rank 1: args[0] (1 NaN, 0 Inf)" in r0["console"]
+    (own,) = [f for f in r1["findings"] if f["kind"] == "nonfinite_input"]  # rank 1's own, not printed
+    assert own["data"]["ranks"] == [1] and r1["console"] == ""
+
+
+def test_ddp_nan_in_one_ranks_loss_is_named_without_held_inputs(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_nan_loss")  # escalate=False: no inputs held, the observed losses tell
+    assert r0["skipped"] == r1["skipped"] == 1 and r0["params"] == r1["params"]
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
+    assert f["step"] == 3 and f["data"]["ranks"] == [1]
+    assert "came from rank 1: the loss there was non-finite while this rank's was finite" in r0["console"]
+    assert "rank 1: 4 gradient(s) with NaN/Inf (49 NaN, 0 Inf)" in r0["console"]
+
+
+def test_other_ranks_finding_says_its_data_is_the_cause(runs: list[dict[str, Any]]) -> None:
+    r0, _ = scenario(runs, "skip")  # no DDP: rank 0 is finite, rank 1's batch held the NaN
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
+    assert f["data"]["input_ranks"] == [1]
+    assert "head.bias; an input batch with NaN/Inf (args[0] (1 NaN, 0 Inf))" in f["message"]
+    assert "The data on rank 1 is the cause" in r0["console"]
+
+
+# -- DDP with uneven inputs under model.join(): gradwatch runs no collective of its own ----------------------
+UNEVEN_TIMEOUT = 40  # a hang fails here instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("dist_uneven"))
+    codes, logs = launch(tmp, "join_unwatched,join_ddp,join_inner,join_nan", timeout=UNEVEN_TIMEOUT)
+    assert codes == [0, 0], f"a rank failed or hung (None = killed after {UNEVEN_TIMEOUT}s): {codes}\n" + "\n".join(
+        logs
+    )
+    assert "GradWatchInternalWarning" not in logs[0] + logs[1], "\n".join(logs)
+    return read_runs(tmp)
+
+
+@pytest.mark.parametrize("which", ["join_ddp", "join_inner"])
+def test_ddp_join_uneven_inputs_finish_like_an_unwatched_run(uneven_runs: list[dict[str, Any]], which: str) -> None:
+    plain = scenario(uneven_runs, "join_unwatched")
+    r0, r1 = scenario(uneven_runs, which)  # watching the DDP wrapper, or the module inside it
+    assert (r0["done"], r1["done"]) == (plain[0]["done"], plain[1]["done"]) == (8, 5)
+    assert r0["findings"] == r1["findings"] == []
+    assert (r0["checked"], r1["checked"]) == (4, 3)  # every=2 on each rank's own step counter
+    assert r0["params"] == plain[0]["params"] and r1["params"] == plain[1]["params"]
+    assert r0["params"] == r1["params"]
+
+
+def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(uneven_runs, "join_nan")
+    assert (r0["skipped"], r1["skipped"]) == (2, 1)  # step 1 on both (DDP carried rank 1's NaN), step 4 on rank 0
+    assert ("nonfinite_grad", 1) in kinds(r0) and ("nonfinite_grad", 4) in kinds(r0)
+    assert ("nonfinite_grad", 1) in kinds(r1)
+    assert r0["params"] == r1["params"]  # the join's final sync from rank 0, which skipped its NaN step
+    assert all(math.isfinite(v) for v in r0["params"])
 
 
 # -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------
