@@ -121,6 +121,7 @@ class Engine:
         self._loss_mark = 0  # len(self._losses) when the latest backward pass reached the gradients
         #: Gradients were cleared between two backward passes since the previous check (single optimizer).
         self.cleared_between_backwards = False
+        self._backwards_since_check = 0
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -256,11 +257,13 @@ class Engine:
     def backward_reached(self) -> None:
         """A backward pass reached the gradients: the losses observed so far are its (or earlier) ones."""
         self._loss_mark = len(self._losses)
+        self._backwards_since_check += 1
 
     def gradients_cleared(self) -> None:
         """The gradients were cleared (``zero_grad``) since the latest backward pass and no optimizer step
         took them: the losses observed up to that backward went with gradients nobody used."""
-        self.cleared_between_backwards = True
+        if self._backwards_since_check:
+            self.cleared_between_backwards = True  # not the usual zero_grad() before a step's first backward
         mark, self._loss_mark = self._loss_mark, 0
         if mark:
             self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
@@ -345,7 +348,8 @@ class Engine:
         stats.extra["optimizer"] = op.optimizer
         if self.cleared_between_backwards:
             stats.extra["cleared_between_backwards"] = True
-            self.cleared_between_backwards = False
+        self.cleared_between_backwards = False
+        self._backwards_since_check = 0
         batch = SyncBatch()
         norm_slots = _queue_all_norms(batch, op, grads) if full else None
         if norm_slots is None:
@@ -551,6 +555,8 @@ class Engine:
     def step_done(self, opt_index: int = 0) -> None:
         """Count one optimizer step (applied, skipped, or skipped by an AMP scaler)."""
         self.step_counts[opt_index] += 1
+        self._backwards_since_check = 0  # the next zero_grad() is the usual one before a step
+        self.cleared_between_backwards = False
 
     # -- skipping an update ------------------------------------------------------------------------
     def suppress_update(self, opt_index: int, state_snapshot: dict[Any, Any] | None = None) -> None:

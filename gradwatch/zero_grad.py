@@ -84,6 +84,9 @@ class _Tracker:
         # gradient was cleared since the previous backward pass.
         self.on_backward: Any = None
         self.on_cleared: Any = None
+        # The engine's optimizer step count, and its value at the latest accumulation.
+        self.steps: Any = None
+        self.accumulated_at = -1
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
@@ -127,6 +130,7 @@ class _Tracker:
             if g is None:
                 return
             self.accumulations += 1
+            self.accumulated_at = self.steps() if self.steps is not None else -1
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
             if self.on_backward is not None:
@@ -165,6 +169,7 @@ class ZeroGradTracker:
         self.engine = engine
         for op in engine.index.per_optimizer:
             t = _Tracker(op.index)
+            t.steps = lambda: sum(engine.step_counts)
             self.trackers.append(t)
             candidates = [
                 (p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf and not is_lazy(p)
@@ -211,9 +216,9 @@ class ZeroGradTracker:
         if t.accumulations > 0:
             if not ctx.grads:
                 cleared = True
-            elif g is None:
-                # A backward reached it, then its gradient was set to None, and later backward passes gave
-                # other parameters theirs: zero_grad() between two backward passes of this step.
+            elif g is None and t.accumulated_at == sum(self.engine.step_counts):
+                # A backward of this step reached it, then its gradient was set to None, and later backward
+                # passes gave other parameters theirs: zero_grad() between two backward passes of this step.
                 stats.extra["cleared_between_backwards"] = True
             elif g is not None and t.post_ref is not None and t.post_ref() is g and g._version > t.post_version:
                 # Modified in place after the last backward: zeroed, or clipped/unscaled? The step's norms

@@ -175,6 +175,24 @@ def test_zero_grad_between_two_backward_passes_of_one_step_is_named_as_the_cause
         assert found == []
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_branch_unused_on_a_later_step_of_an_ordinary_loop_is_not_blamed_on_zero_grad(every: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, every=every) as gw:
+        for i, x in enumerate(batches(8)):
+            opt.zero_grad()
+            h = model.encoder(x)
+            loss = h.pow(2).mean() if i == 4 else model.head(h).pow(2).mean()  # the head unused at step 4
+            loss.backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "none_grad"]
+    assert [f.step for f in found] == [4]
+    assert found[0].data["cleared_between_backwards"] is False
+    assert "zero_grad() ran between" not in found[0].message
+
+
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:
     torch.manual_seed(0)
     model = Net()
