@@ -67,7 +67,11 @@ class History:
             "total_norms": {k: list(v) for k, v in self.total_norms.items()},
             "layer_steps": {k: [dict(d) for d in v] for k, v in self.layer_steps.items()},
             "losses": list(self.losses),
-            "reported": dict(self.reported),
+            # Sets as sorted lists: checkpoints load with torch.load(weights_only=True), which refuses sets.
+            "reported": {
+                k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in self.reported.items()
+            },
+            "reported_sets": sorted(k for k, v in self.reported.items() if isinstance(v, (set, frozenset))),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -78,3 +82,6 @@ class History:
         }
         self.losses = deque(state.get("losses", []), maxlen=w)
         self.reported = dict(state.get("reported", {}))
+        for k in state.get("reported_sets", ()):
+            if k in self.reported:
+                self.reported[k] = frozenset(self.reported[k])

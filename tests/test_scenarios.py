@@ -1315,6 +1315,43 @@ def test_std_over_a_last_batch_of_one_is_named_with_its_fix() -> None:
     assert "drop_last=True" in origin[0].message
 
 
+class SwitchMoE(nn.Module):
+    """Top-1 routing over 4 experts: an expert that gets no token in a batch gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        choice = gate.argmax(dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            picked = choice == i
+            if picked.any():  # empty experts are skipped, as in every MoE implementation
+                out[picked] = expert(x[picked]) * gate[picked, i : i + 1]
+        return self.head(out)
+
+
+# https://github.com/lucidrains/mixture-of-experts/issues/7 (experts without tokens get no gradient)
+def test_mixture_of_experts_with_experts_idle_on_some_batches_is_silent() -> None:
+    model = SwitchMoE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(40, shape=(6, 8))):
+            opt.zero_grad()
+            if step == 0:
+                x = x[[0] * 6]  # ... but one expert only on the first batch
+            model(x).pow(2).mean().backward()
+            opt.step()
+    unused = of(gw.findings, "none_grad")
+    assert [f.step for f in unused] == [0], show(gw.findings)  # experts idle from the start: named once
+    assert len(unused[0].params) == 6  # 3 experts x (weight, bias); later idle batches are not reported
+
+
 # https://github.com/pytorch/pytorch/issues/4534 (BatchNorm statistics must survive gradwatch's replay)
 def test_batchnorm_running_statistics_are_those_of_the_users_own_forwards() -> None:
     def run(with_gradwatch: bool) -> nn.Module:

@@ -176,7 +176,7 @@ def test_zero_grad_between_two_backward_passes_of_one_step_is_named_as_the_cause
 
 
 @pytest.mark.parametrize("every", [1, 2])
-def test_a_branch_unused_on_a_later_step_of_an_ordinary_loop_is_not_blamed_on_zero_grad(every: int) -> None:
+def test_a_branch_unused_on_a_later_step_of_an_ordinary_loop_is_silent(every: int) -> None:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -187,10 +187,10 @@ def test_a_branch_unused_on_a_later_step_of_an_ordinary_loop_is_not_blamed_on_ze
             loss = h.pow(2).mean() if i == 4 else model.head(h).pow(2).mean()  # the head unused at step 4
             loss.backward()
             opt.step()
-    found = [f for f in gw.findings if f.kind == "none_grad"]
-    assert [f.step for f in found] == [4]
-    assert found[0].data["cleared_between_backwards"] is False
-    assert "zero_grad() ran between" not in found[0].message
+    # The head had gradients before: a step without one is intermittent use, not an unused parameter,
+    # and the usual zero_grad() at the start of each step is no clearing between backward passes.
+    assert [f for f in gw.findings if f.kind == "none_grad"] == []
+    assert [f for f in gw.findings if f.severity != "info"] == []
 
 
 def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None:

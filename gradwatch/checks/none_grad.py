@@ -8,14 +8,24 @@ from gradwatch.history import History
 from gradwatch.stats import StepStats
 
 
+def _never(stats: StepStats, history: History) -> frozenset[str]:
+    """Parameters of this optimizer that have had no gradient on any checked step so far."""
+    previous = history.reported.get(f"none_grad_never/{stats.optimizer_index}")
+    now = frozenset(stats.none_grad)
+    if previous is None or stats.params_changed:
+        return now
+    return previous & now
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     # With no gradient at all, ``no_grads`` speaks instead.
     if not stats.none_grad or not stats.names:
         return []
-    # Report parameters the first time they miss a gradient: a branch used every other step, or experts
-    # of a mixture that take turns, are named once, not at every change of the set.
+    # Report parameters that never had a gradient, once. One that had gradients before and misses one now
+    # is used on some steps only (mixture-of-experts routing, LayerDrop, one head per task): not a bug.
     seen = history.reported.get(f"none_grad/{stats.optimizer_index}", frozenset())
-    fresh = tuple(n for n in stats.none_grad if n not in seen)
+    never = _never(stats, history)
+    fresh = tuple(n for n in stats.none_grad if n in never and n not in seen)
     if not fresh:
         return []
     modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in fresh})
@@ -39,7 +49,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "Why it matters: the optimizer never updates them (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
                 + cause
-                + "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
+                + "(Parameters that get a gradient on some steps only, as with mixture-of-experts routing, "
+                "LayerDrop or one head per task, are not reported.)\n"
+                "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
                 "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
                 "or leave them out of the optimizer."
             ),
@@ -57,9 +69,16 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    """Record every parameter reported so far, so each is reported once (called by the engine)."""
-    if not stats.none_grad or not stats.names:
+    """Record every parameter reported so far, so each is reported once, and which parameters never had a
+    gradient (called by the engine; O(1) on a step where every parameter has one)."""
+    never_key = f"none_grad_never/{stats.optimizer_index}"
+    if not stats.none_grad:
+        if stats.names and history.reported.get(never_key) != frozenset():
+            history.reported[never_key] = frozenset()  # every parameter has had a gradient now
         return
+    if not stats.names:
+        return
+    history.reported[never_key] = _never(stats, history)
     key = f"none_grad/{stats.optimizer_index}"
     seen = history.reported.get(key, frozenset())
     if any(n not in seen for n in stats.none_grad):
