@@ -125,6 +125,26 @@ def remember_param_norms(stats: Any, history: Any) -> None:
         history.memory.setdefault("param_norms", {})[stats.optimizer_index] = now
 
 
+#: Where the checks keep a run's early levels (set once, after their first 20 checked steps).
+EARLY_LOSS = "loss_early"
+EARLY_NORM = "exploding_early"
+#: A loss (or total gradient norm) this many times below its early level: the run is at its minimum.
+CONVERGED = 100.0
+
+
+def converged(history: Any, optimizer_index: int) -> str | None:
+    """``"loss"`` when the recent median loss is 100x below the run's early one, ``"norm"`` when the total
+    gradient norm's is (no loss observed), else None. Only asked when a finding is about to fire."""
+    loss_early = history.memory.get(EARLY_LOSS)
+    if isinstance(loss_early, float) and loss_early > 0 and history.losses:
+        return "loss" if median(history.losses) < loss_early / CONVERGED else None
+    norm_early = history.memory.get(EARLY_NORM, {}).get(optimizer_index)
+    recent = history.total_norms.get(optimizer_index, ())
+    if norm_early and recent and median(recent) < norm_early / CONVERGED:
+        return "norm"
+    return None
+
+
 def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
     """True when a condition has just held for ``n`` observations in a row (not already before).
 

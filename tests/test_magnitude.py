@@ -442,3 +442,41 @@ def test_near_zero_heavy_tailed_loss_is_not_a_spike() -> None:
 def test_config_rejects_a_bad_update_ratio_band() -> None:
     with pytest.raises(ValueError, match=r"update_ratio_band=\(0.1, 0.001\)"):
         gradwatch.Config(update_ratio_band=(0.1, 0.001))
+
+
+def memorize(optimizer: str, steps: int, blow_up_at: int | None = None) -> gradwatch.Watcher:
+    """Full-batch regression of 64 random points to a loss of ~1e-7 and below: Adam oscillates around
+    the minimum (loss and gradient jumps of 1000x over their collapsed medians) and the updates become
+    tiny; all of it healthy. ``blow_up_at``: the learning rate is raised 3000x there (a real divergence)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 10), torch.randn(64, 1)
+    model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt: torch.optim.Optimizer
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(steps):
+            if step == blow_up_at:
+                for g in opt.param_groups:
+                    g["lr"] *= 3000
+            loss = nn.functional.mse_loss(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return gw
+
+
+# https://github.com/ibab/tensorflow-wavenet/issues/149 (Adam jumps near its minimum, where sqrt(v) ~ eps)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_run_memorizing_its_data_to_a_tiny_loss_is_silent(optimizer: str) -> None:
+    gw = memorize(optimizer, 1600)
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
+
+
+def test_divergence_after_convergence_is_still_reported() -> None:
+    gw = memorize("adam", 1000, blow_up_at=900)
+    kinds = {f.kind for f in gw.findings if f.step >= 900}
+    assert kinds & {"loss_spike", "exploding_grad", "update_ratio_high", "nonfinite_loss"}, magnitude(gw)

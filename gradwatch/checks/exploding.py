@@ -8,7 +8,10 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
   history, so it also catches a run that explodes from step 0);
 - a spike: the total norm is more than ``spike_factor`` times its median over the last ``window`` checked
   steps and more than 5 robust standard deviations (MAD) above it in log space. Because the median rolls,
-  warm-up and learning-rate schedules, which move norms gradually, do not trigger it.
+  warm-up and learning-rate schedules, which move norms gradually, do not trigger it. In a converged run
+  (the loss 100x below its early median, or else the norm's median 100x below that of the run's first 20
+  checked steps) a spike must also exceed 10x (1x) that early norm: oscillations of full-batch Adam
+  around a minimum are not explosions.
 
 A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
 """
@@ -23,6 +26,8 @@ from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
 from gradwatch.magnitude import (
+    EARLY_NORM,
+    converged,
     median,
     once_per_check,
     param_norms_of,
@@ -40,6 +45,12 @@ SPREADS = 5.0
 REARM = 10
 
 _KEY = "exploding"
+#: The median total norm of the run's first ``MIN_HISTORY`` checked steps. In a converged run (see
+#: :func:`gradwatch.magnitude.converged`; full-batch Adam oscillates around the minimum) a "spike" must
+#: also exceed that early level: a jump back towards it is the oscillation, not an explosion.
+_EARLY = EARLY_NORM
+#: With the loss 100x below its early median, a spike must exceed this many times the early norm.
+CONVERGED_FACTOR = 10.0
 
 
 @once_per_check
@@ -61,6 +72,9 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "overflow": tuple(stats.overflow_norm),
         "n": len(recent),
         "median": math.exp(m) if math.isfinite(m) else None,
+        "early": history.memory.get(_EARLY, {}).get(i),
+        "history": history,
+        "optimizer": i,
         "excess": excess,
         # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
@@ -103,9 +117,21 @@ def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
         reasons.append("ratio")
     excess = facts["excess"]
     if facts["n"] >= MIN_HISTORY and excess is not None:
-        if excess > math.log(config.spike_factor) and excess > SPREADS * _spread(facts):
+        if excess > math.log(config.spike_factor) and excess > SPREADS * _spread(facts) and _beyond_converged(facts):
             reasons.append("spike")
     return reasons
+
+
+def _beyond_converged(facts: dict[str, Any]) -> bool:
+    """False for a jump of a converged run that stays near the run's own early levels (only asked about
+    a step that already clears the spike thresholds)."""
+    early = facts.get("early")
+    how = converged(facts["history"], facts["optimizer"]) if early is not None else None
+    if how == "loss":
+        return facts["total"] > CONVERGED_FACTOR * early
+    if how == "norm":
+        return facts["total"] > early
+    return True
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -129,6 +155,9 @@ def remember(stats: StepStats, history: History) -> None:
         return
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
+    early = history.memory.setdefault(_EARLY, {})
+    if stats.optimizer_index not in early and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
+        early[stats.optimizer_index] = facts["median"]
 
 
 def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:

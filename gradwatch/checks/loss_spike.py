@@ -4,7 +4,9 @@ The loss comes from ``observe_loss`` (plain loop) or the training loss (Lightnin
 than ``spike_factor`` robust spreads above its median over the last ``window`` checked steps. The spread
 is the largest of: the MAD scaled to a standard deviation, the distance from the median to the 90th
 percentile (losses close to zero are heavy-tailed: a few batches at 10x the median are normal), and a
-quarter of the median's size (so a run whose loss has flattened does not flag ordinary batch noise). Waits for 20 losses of history; a
+quarter of the median's size (so a run whose loss has flattened does not flag ordinary batch noise), and
+a hundredth of the run's early median loss (a run that converged by orders of magnitude wiggles far
+below where it started; a spike must reach a tenth of the early loss). Waits for 20 losses of history; a
 persisting spike is reported once, and again only after 10 checked steps without one. Decreases never
 count.
 """
@@ -18,7 +20,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import once_per_check, quantile, robust_spread
+from gradwatch.magnitude import EARLY_LOSS, once_per_check, quantile, robust_spread
 
 #: Losses of history the test waits for.
 MIN_HISTORY = 20
@@ -28,6 +30,10 @@ MIN_RELATIVE_SPREAD = 0.25
 REARM = 10
 
 _KEY = "loss_spike"
+#: The median loss of the run's first ``MIN_HISTORY`` checked steps, and the fraction of it below which a
+#: change is never a spike.
+_EARLY = EARLY_LOSS
+EARLY_FRACTION = 1e-2
 
 
 @once_per_check
@@ -41,7 +47,10 @@ def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | No
     # Losses near their floor are heavy-tailed (most batches ~0, a few 10x that): the upper tail of the
     # recent losses is part of their normal range, so the spread is at least 90th percentile - median.
     tail = quantile(history.losses, 0.9) - m
-    spread = max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), 1e-12)
+    # A run that converged by orders of magnitude: wiggles far below its early losses are not spikes.
+    early = history.memory.get(_EARLY)
+    floor = EARLY_FRACTION * abs(early) if isinstance(early, float) else 0.0
+    spread = max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), floor, 1e-12)
     return loss, m, spread, len(history.losses)
 
 
@@ -83,3 +92,5 @@ def remember(stats: Any, history: History) -> None:
     recent = history.memory.setdefault(_KEY, deque(maxlen=REARM))
     if facts is not None:
         recent.append(facts)
+        if _EARLY not in history.memory:
+            history.memory[_EARLY] = float(facts[1])

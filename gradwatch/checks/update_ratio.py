@@ -4,7 +4,9 @@ The ratio ``||p_after - p_before|| / ||p_before||`` is measured by :mod:`gradwat
 ``update_ratio_every`` checked steps, from the update the optimizer actually applied (so it is right for
 Adam, momentum and weight decay). Around 1e-3 is usual. A layer whose ratio stays above the band's high
 end (default 0.1) for :data:`PATIENCE` measurements in a row is changing too fast to learn; below the low
-end (default 1e-6) it barely moves. Exactly zero updates (frozen by ``lr=0``, or skipped) are ignored.
+end (default 1e-6) it barely moves, unless the run has converged (its loss, or else its gradient norm,
+100x below its early level): tiny updates at the minimum are expected. Exactly zero updates (frozen by
+``lr=0``, or skipped) are ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
-from gradwatch.magnitude import newly_sustained
+from gradwatch.magnitude import converged, newly_sustained
 from gradwatch.stats import StepStats
 
 #: Measurements in a row a ratio must stay outside the band.
@@ -38,6 +40,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     past = history.memory.get(_KEY, {}).get(stats.optimizer_index, {})
     too_high = [k for k, v in ratios.items() if newly_sustained(past.get(k, ()), v > high, lambda x: x > high, PATIENCE)]
     too_low = [k for k, v in ratios.items() if newly_sustained(past.get(k, ()), v < low, lambda x: x < low, PATIENCE)]
+    if too_low and converged(history, stats.optimizer_index):
+        too_low = []  # tiny updates at the minimum (or at the end of a schedule to 0) are convergence
     out: list[Finding] = []
     every = config.update_ratio_every
     span = f"{PATIENCE} measurements in a row (one every {every} checked steps)"
