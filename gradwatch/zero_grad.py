@@ -55,6 +55,9 @@ ACCUMULATED = "accumulated"
 UNKNOWN = "unknown"
 PENDING = "pending"
 
+#: Checks between two re-picks of a representative that no backward pass reached.
+REPICK_EVERY = 50
+
 _SLOT_ZERO = "zero_grad/old_grad_zero"
 _SLOT_NONZERO = "zero_grad/after_backward_nonzero"
 
@@ -84,6 +87,7 @@ class _Tracker:
         # gradient was cleared since the previous backward pass.
         self.on_backward: Any = None
         self.on_cleared: Any = None
+        self.repick_after = 0  # no re-pick for an unreached representative before this step
         # The engine's optimizer step count, and its value at the latest accumulation.
         self.steps: Any = None
         self.accumulated_at = -1
@@ -236,7 +240,10 @@ class ZeroGradTracker:
         # New baseline; re-pick the representative if it holds no gradient while others do, or if no
         # backward reached it since the previous check (a rarely used gate or branch): then take the
         # parameter whose gradient was written most often (highest version), smallest first.
-        if ctx.grads and (g is None or (t.accumulations == 0 and t.base_ref is not None)):
+        unreached = t.accumulations == 0 and t.base_ref is not None and stats.step >= t.repick_after
+        if ctx.grads and (g is None or unreached):
+            if unreached:  # an O(parameters) scan: at most once every REPICK_EVERY checks
+                t.repick_after = stats.step + REPICK_EVERY
             candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
             if candidates:
                 if g is None:
