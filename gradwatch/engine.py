@@ -581,11 +581,11 @@ class Engine:
         """A closure optimizer (LBFGS) evaluated the closure again within a checked step: are this
         evaluation's loss and gradients finite? Returns True when they are (or when gradwatch cannot tell).
 
-        When they are not: a finding at this step (the first time in the run), and under ``on_nonfinite="skip"`` every gradient of
-        the optimizer is set to None (LBFGS reads that as a zero gradient and ends its iterations, or its
-        line search backs off when ``large_loss``, the caller's promise to hand back a large finite loss);
-        ``"raise"`` raises :class:`GradWatchError`. One read per evaluation, next to the optimizer's own
-        ``float(loss)`` of it.
+        When they are not: a finding at this step (the first time in the run), and under
+        ``on_nonfinite="skip"`` every gradient of the optimizer is set to None (LBFGS reads that as a zero
+        gradient and ends its iterations, or its line search backs off when ``large_loss``, the caller's
+        promise to hand back a large finite loss); ``"raise"`` raises :class:`GradWatchError`. One read per
+        evaluation, next to the optimizer's own ``float(loss)`` of it.
         """
         if self._closed or self.config.deferred:
             return True

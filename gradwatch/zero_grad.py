@@ -2,9 +2,10 @@
 
 The facts come from the gradients themselves, not from patching ``zero_grad`` (Lightning's manual
 optimization bypasses patched instances and never fires ``on_before_zero_grad``). Per optimizer, one
-representative parameter (the smallest trainable one; re-picked when it holds no gradient at a check
-while others do, or when no backward pass reached it since the previous check) carries two hooks, so the cost is two Python calls per backward pass, whatever the
-model's size:
+representative parameter (the smallest trainable one, one the model does not own if the optimizer holds
+such; re-picked when it holds no gradient at a check while others do, or when no backward pass reached
+it since the previous check) carries two hooks, so the cost is two Python calls per backward pass,
+whatever the model's size:
 
 - a tensor hook, which runs before the incoming gradient is accumulated, while ``p.grad`` still holds
   the old value: it sees whether the old gradient was set to None, replaced, or modified in place
@@ -35,7 +36,8 @@ with no optimizer step in between: a batch the training code skipped, or one a G
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, state, the step of the previous check), ``"zero_grad_missing"`` and ``"grads_cleared_before_step"`` (bools).
+backward passes counted, state, the step of the previous check), ``"zero_grad_missing"``,
+``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools).
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
 """
 

@@ -62,8 +62,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 message=(
                     f"The gradient scaler dropped the update of each of the last {amp.get('consecutive')} steps "
                     f"(steps {first}-{stats.step}; loss scale now {new_scale}), and the gradients were never "
-                    "cleared in between: zero_grad() is missing, so the Inf of the first overflow stays in .grad and every "
-                    "later step overflows too, whatever the scale.\n"
+                    "cleared in between: zero_grad() is missing, so the Inf of the first overflow stays in .grad and "
+                    "every later step overflows too, whatever the scale.\n"
                     "Why it matters: no update ever goes through again; the model stops training.\n"
                     "Fix: call optimizer.zero_grad() once per iteration, before scaler.scale(loss).backward() "
                     "(with gradient accumulation, right after scaler.step(optimizer); scaler.update())."

@@ -148,7 +148,11 @@ def reevaluation(
             f"{len(bad_params)} of {total_params} gradients hold non-finite values "
             f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
         )
-    returned = " and gave it a very large finite loss for this evaluation (a failed trial: a line search backs off)" if returned_large_loss else ""
+    returned = (
+        " and gave it a very large finite loss for this evaluation (a failed trial: a line search backs off)"
+        if returned_large_loss
+        else ""
+    )
     action = _REEVAL_ACTION[policy].format(returned=returned)
     return Finding(
         kind="nonfinite_loss" if loss_bad else "nonfinite_grad",
