@@ -111,41 +111,22 @@ def ddp_unused(rank: int, wrapped: bool) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
-def ddp_nan(rank: int) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = DDP(Net())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    console = text_console()
-    with gradwatch.watch(model, opt, console=console) as gw:
-        for step in range(STEPS):
-            loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
-            gw.observe_loss(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return {
-        "findings": [f.to_dict() for f in gw.findings],
-        "console": console.file.getvalue(),
-        "params": flat_params(model.module),
-        "skipped": gw.engine.steps_skipped,
-    }
-
-
-def ddp_nan_input(rank: int, escalate: bool) -> dict[str, Any]:
+def ddp_nan(rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True) -> dict[str, Any]:
     """DDP, a NaN in one sample of rank 1's batch at NAN_STEP; rank 0's data is finite. ``escalate=False``
     holds no inputs: then only the observed losses can say where the NaN came from."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = DDP(Net())
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if adam:
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     console = text_console()
     with gradwatch.watch(model, opt, console=console, escalate=escalate) as gw:
         for step in range(STEPS):
             loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
-            if not escalate:
+            if observe:
                 gw.observe_loss(loss)
             opt.zero_grad()
             loss.backward()
@@ -243,8 +224,8 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_unused_wrapped": lambda r: ddp_unused(r, wrapped=True),
     "ddp_unused_inner": lambda r: ddp_unused(r, wrapped=False),
     "ddp_nan": ddp_nan,
-    "ddp_nan_input": lambda r: ddp_nan_input(r, escalate=True),
-    "ddp_nan_loss": lambda r: ddp_nan_input(r, escalate=False),
+    "ddp_nan_input": lambda r: ddp_nan(r, adam=True, observe=False),
+    "ddp_nan_loss": lambda r: ddp_nan(r, adam=True, escalate=False),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
 }
