@@ -448,20 +448,22 @@ class Escalation:
                 return out
             self._poison_reported = False
             result = self._localize()
-            if result is not None and (result.loc.origin is not None or result.upstream_bad):
+            named = result is not None and result.loc.origin is not None
+            # Buffers are checked only when the replay named no op: this step's own forward may have written
+            # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
+            # A buffer poisoned by an earlier step (a fake-quant scale, a running scale) makes every later
+            # forward non-finite without a birth: it is named instead of a vague "born in the loss".
+            stale = [] if named else self._poisoned(buffers=True)
+            if named or (result is not None and result.upstream_bad and not stale):
                 self.localizations.append((stats.step, result.loc))
                 origin_finding = _origin_finding(stats.step, result, layers)
                 out.append(origin_finding)
-            else:
-                # Buffers are checked only now: this step's own forward may have written the NaN into them
-                # (BatchNorm running statistics) after it was born somewhere the replay found.
-                stale = self._poisoned(buffers=True)
-                if stale:
-                    out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
-                elif result is not None:
-                    self.localizations.append((stats.step, result.loc))
-                    origin_finding = _origin_finding(stats.step, result, layers)
-                    out.append(origin_finding)
+            elif stale:
+                out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
+            elif result is not None:
+                self.localizations.append((stats.step, result.loc))
+                origin_finding = _origin_finding(stats.step, result, layers)
+                out.append(origin_finding)
         note = None
         if result is None and not bad_inputs:
             note = (

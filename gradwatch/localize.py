@@ -34,6 +34,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from gradwatch.params import _module_wrappers, user_path
+
 ROOT = "<root>"
 
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -309,8 +311,9 @@ class Localizer:
         """Forward pre/post hooks on every submodule (only while localizing)."""
         if self._module_hooks or self.root is None:
             return
+        wrappers = _module_wrappers(self.root)
         for name, m in self.root.named_modules():
-            label = name or self.root_label
+            label = user_path(name, wrappers) or self.root_label  # no torch.compile / DDP wrapper segments
             self._module_hooks.append(m.register_forward_pre_hook(functools.partial(self._enter, label)))
             self._module_hooks.append(
                 m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
@@ -531,6 +534,8 @@ class Localizer:
             outside = index in self._outside
             if outside and fwd is not None and _bad(fwd):
                 continue  # its forward inputs were already non-finite (a NaN target): passed on, not born
+            if fwd is not None and fwd[0]:
+                continue  # NaN in its forward inputs (a poisoned buffer, e.g. a fake-quant scale): passed on
             inc: dict[str, float] = {}
             if incoming is not None:
                 inc = {"min_abs": incoming[2], "max_abs": incoming[3]}

@@ -173,3 +173,41 @@ def test_compiled_optimizer_step_finds_a_forgotten_zero_grad_and_skips_a_nan(bug
         assert all(torch.isfinite(p).all() for p in model.parameters())
     else:
         assert ("zero_grad_missing", 1) in kinds, kinds
+
+
+class Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.certain = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(self.lin(h))
+        return torch.log(p * 0.0 if self.certain else p)  # log(0) when the scorer is "certain"
+
+
+class Scored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 8)
+        self.scorer = Scorer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scorer(torch.tanh(self.enc(x)))
+
+
+def test_nan_origin_in_a_compiled_model_names_the_users_module_path() -> None:
+    model = Scored()
+    compiled = torch.compile(model, backend=BACKEND)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+        for step in range(4):
+            model.scorer.certain = step == 2
+            loss = -compiled(torch.randn(16, 4, generator=torch.Generator().manual_seed(step))).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert origin and (origin[0].step, origin[0].op, origin[0].module) == (2, "LogBackward0", "scorer")
+    assert "_orig_mod" not in origin[0].message

@@ -521,3 +521,45 @@ def test_a_watched_step_keeps_no_output_or_loss_alive_after_it():
         gc.collect()
         # the output's gradient hook and the kept loss must not form a cycle through the autograd graph
         assert [r() is None for r in refs] == [True] * len(refs)
+
+
+class RunningScale(nn.Module):
+    """Divides by a running estimate of the input scale, kept in a buffer (like a fake-quant observer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.mul_(0.9).add_(0.1 * x.abs().mean())
+        return x / self.scale
+
+
+class ScaledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = RunningScale()
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.enc(self.norm(x))))
+
+
+# A NaN batch poisons a running statistic kept in a buffer for good (fake-quant observers in QAT do this).
+def test_buffer_poisoned_by_a_nan_batch_is_named_on_the_steps_after() -> None:
+    model = ScaledNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, max_skips=None) as gw:
+        for step in range(7):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+            if step == 3:
+                x[0, 0] = float("nan")  # its forward writes NaN into norm.scale
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    later = [f for f in gw.findings if f.kind == "nan_origin" and f.step > 3]
+    assert later and all("norm.scale" in f.message for f in later), [(f.kind, f.step) for f in gw.findings]
+    assert not any("could not reproduce" in f.message or "Born in" in f.message for f in later)
