@@ -675,12 +675,40 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
+            if finding is None:
+                finding = self._unchecked_nonfinite(exc, s)
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None
         if finding is not None:
             self.add_finding(finding)
         return finding
+
+    def _unchecked_nonfinite(self, exc: BaseException, step: int) -> Finding | None:
+        """The training code raised before gradwatch checked the step (``clip_grad_norm_`` with
+        ``error_if_nonfinite=True``, a user's own NaN assert): a NaN/Inf it met is still named (the error
+        path: a few syncs)."""
+        from gradwatch.checks import nonfinite
+
+        losses = torch.stack([l.float().mean() for l in self._losses]).tolist() if self._losses else []
+        bad_loss = next((v for v in losses if not math.isfinite(v)), None)
+        names: list[str] = []
+        grads: list[torch.Tensor] = []
+        for op in self.index.per_optimizer:
+            for p, n in zip(op.params, op.names):
+                if p.grad is not None:
+                    names.append(n)
+                    grads.append(p.grad)
+        batch = SyncBatch()
+        slots = queue_grad_norms(batch, grads)
+        norms = read_grad_norms(batch.resolve(), slots, len(grads)) if slots else []
+        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        counts = count_nonfinite(names, grads, suspects)
+        bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
+        if bad_loss is None and not bad:
+            return None
+        self.drop_losses()
+        return nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, len(names))
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:

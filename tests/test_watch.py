@@ -645,3 +645,40 @@ def test_batch_the_user_skipped_does_not_skip_the_next_healthy_update(set_to_non
     (f,) = gw.findings
     assert (f.kind, f.severity, f.step) == ("nonfinite_loss", "warning", 3)
     assert "no update used it" in f.message
+
+
+# https://github.com/pytorch/pytorch/pull/53843 (clip_grad_norm_'s error_if_nonfinite)
+def test_clip_grad_norm_raising_on_a_nan_step_is_named_and_the_error_kept():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for step, x in enumerate(batches(5)):
+                loss = model(x).pow(2).mean() * (float("nan") if step == 3 else 1.0)
+                gw.observe_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+                opt.step()
+    (f,) = [f for f in gw.findings if f.severity == "error"]
+    assert (f.kind, f.step, f.data["raised"]) == ("nonfinite_grad", 3, "RuntimeError")
+    assert "the loss was nan" in f.message and "before the optimizer step" in f.message
+    assert gw.summary().kind_counts == {"nonfinite_grad": 1}
+
+
+def test_users_own_nan_check_raising_is_named_at_its_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="NaN loss"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for step, x in enumerate(batches(5)):
+                loss = model(x).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+                gw.observe_loss(loss)
+                if not torch.isfinite(loss):
+                    raise ValueError("NaN loss")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert [(f.kind, f.step) for f in gw.findings] == [("nonfinite_loss", 2)]

@@ -179,5 +179,43 @@ def reevaluation(
     )
 
 
+def raised_before_check(
+    step: int,
+    exc: BaseException,
+    loss: float | None,
+    bad_params: list[str],
+    counts: tuple[dict[str, int], dict[str, int]],
+    total_params: int,
+) -> Finding:
+    """The training code raised before the optimizer step that gradwatch checks, on a non-finite loss or
+    non-finite gradients (``clip_grad_norm_(..., error_if_nonfinite=True)``, a user's NaN assert)."""
+    nan, inf = counts
+    what = []
+    if loss is not None:
+        what.append(f"the loss was {loss}")
+    if bad_params:
+        what.append(
+            f"{len(bad_params)} of {total_params} gradients held non-finite values "
+            f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
+        )
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return Finding(
+        kind="nonfinite_grad" if bad_params else "nonfinite_loss",
+        step=step,
+        severity="error",
+        message=(
+            f"At step {step} {' and '.join(what)} when the training code stopped with "
+            f"{type(exc).__name__}: {first} (before the optimizer step, so nothing was applied).\n"
+            "Why it matters: the NaN/Inf was born in this step's forward or backward; raising stops the run "
+            "where skipping the step would have kept it going.\n"
+            "Fix: find where it was born: without error_if_nonfinite (or your own NaN check) gradwatch skips "
+            "such a step and names the op and module; common causes are log/sqrt/division of zero, exp "
+            "overflow, or NaN in the batch."
+        ),
+        params=tuple(bad_params),
+        data={"loss": loss, "nan_counts": dict(nan), "inf_counts": dict(inf), "raised": type(exc).__name__},
+    )
+
+
 def _fmt(v: float | None) -> str:
     return "non-finite" if v is None else str(v)
