@@ -1202,6 +1202,14 @@ _GENERIC_FIX = (
 
 def fix_for(op: str | None, forward_op: str | None = None) -> str:
     """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``)."""
+    if op and re.fullmatch(r"[A-Za-z_]\w*Backward", op):  # a custom autograd.Function (no digit suffix)
+        name = op[: -len("Backward")]
+        return (
+            f"{op} is the backward of the custom autograd.Function {name}: its backward() returned NaN/Inf "
+            f"from a finite incoming gradient. Check {name}.backward's formula (divisions by saved values, "
+            "log or sqrt of them) for the inputs its forward accepts; torch.autograd.gradcheck compares it "
+            "with finite differences."
+        )
     for name in (op, forward_op):
         if not name:
             continue

@@ -425,7 +425,7 @@ class Localizer:
             if outside:
                 site = self._node_site.get(node) or _traceback_site(node, self._skip)
             else:
-                site = self._node_site.get(node, inherited)
+                site = self._node_site.get(node) or self._untraced_site(node) or inherited
             index = len(self._nodes)
             self._nodes.append(node)
             self._node_sites.append(site)
@@ -437,6 +437,28 @@ class Localizer:
                 if nxt is not None and nxt not in seen:
                     frontier.append((nxt, site))
         return added
+
+    def _untraced_site(self, node: Any) -> Site | None:
+        """Where a node that no recorded op made ran (a custom ``autograd.Function``, whose ``apply`` the
+        op recorder does not see): anomaly mode's forward traceback gives the line, and the one module whose
+        ``forward`` contains that line gives the module. None without anomaly mode's traceback."""
+        if not _is_custom_function(node):
+            return None
+        site = _traceback_site(node, self._skip)
+        if site is None or self.root is None:
+            return site
+        owners = []
+        wrappers = _module_wrappers(self.root)
+        for name, m in self.root.named_modules():
+            code = getattr(getattr(type(m), "forward", None), "__code__", None)
+            if code is None or code.co_filename != site.filename or site.lineno is None:
+                continue
+            lines = [line for _s, _e, line in code.co_lines() if line is not None]
+            if lines and code.co_firstlineno <= site.lineno <= max(lines):
+                owners.append(user_path(name, wrappers) or self.root_label)
+        site.module = owners[0] if len(owners) == 1 else None
+        site.func = node.name()[: -len("Backward")] + ".apply"
+        return site
 
     def _on_node(self, index: int, grad_inputs: Any, grad_outputs: Any) -> None:
         try:
@@ -573,6 +595,14 @@ def _saved_inputs(node: Any) -> list[torch.Tensor]:
 
 
 _FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _is_custom_function(node: Any) -> bool:
+    """A node of a Python ``torch.autograd.Function`` (``MyFnBackward``; built-in nodes end in a digit)."""
+    try:
+        return bool(re.fullmatch(r"[A-Za-z_]\w*Backward", node.name()))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _traceback_site(node: Any, skip: tuple[str, ...]) -> Site | None:

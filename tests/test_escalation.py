@@ -563,3 +563,55 @@ def test_buffer_poisoned_by_a_nan_batch_is_named_on_the_steps_after() -> None:
     later = [f for f in gw.findings if f.kind == "nan_origin" and f.step > 3]
     assert later and all("norm.scale" in f.message for f in later), [(f.kind, f.step) for f in gw.findings]
     assert not any("could not reproduce" in f.message or "Born in" in f.message for f in later)
+
+
+class FlakyGrad(torch.autograd.Function):
+    """Identity forward; a backward with a bug on some inputs (here: a flag) that returns NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, broken: bool) -> torch.Tensor:
+        ctx.broken = broken
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if ctx.broken:
+            g = g.clone()
+            g[0, 0] = float("nan")
+        return g, None
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return FlakyGrad.apply(h, self.broken)
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 8)
+        self.mid = Middle()
+        self.proj = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.mid(self.enc(x))))
+
+
+# A custom autograd.Function whose backward has a bug on some inputs: its apply() is invisible to op tracing.
+def test_nan_returned_by_a_custom_function_backward_names_the_function_and_its_module() -> None:
+    model = WithCustomFunction()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            model.mid.broken = step == 2
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.op, origin.module) == (2, "FlakyGradBackward", "mid")
+    assert "custom autograd.Function FlakyGrad" in origin.message and "FlakyGrad.apply" in origin.message
