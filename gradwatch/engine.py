@@ -346,6 +346,8 @@ class Engine:
         self._first_check[opt_index] = False
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
+        if len(self.optimizers) > 1:
+            stats.extra["several_optimizers"] = True
         if self.cleared_between_backwards:
             stats.extra["cleared_between_backwards"] = True
         self.cleared_between_backwards = False

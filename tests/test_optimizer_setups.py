@@ -269,3 +269,23 @@ def test_layer_frozen_mid_run_that_the_optimizer_still_moves_is_reported(
     found = [f for f in gw.findings if f.kind == "frozen_param_updated"]
     assert moved is expected  # the ground truth the finding must match
     assert [(f.step, f.params) for f in found] == ([(5, ("0.weight", "0.bias"))] if expected else [])
+
+
+def test_nan_in_one_of_two_optimizers_skips_and_says_only_that_optimizer() -> None:
+    model = mlp()
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.05), torch.optim.SGD(second, lr=0.05)
+    with gradwatch.watch(model, [opt_a, opt_b], console=False) as gw:
+        for i, (x, y) in enumerate(data(4)):
+            for o in (opt_a, opt_b):
+                o.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if i == 2:
+                model[0].weight.grad[0, 0] = float("nan")  # only optimizer 0's gradients
+            before = [p.detach().clone() for p in second]
+            opt_a.step()
+            opt_b.step()
+            if i == 2:
+                assert any(not torch.equal(b, p) for b, p in zip(before, second))  # optimizer 1 stepped
+    (f,) = [f for f in gw.findings if f.kind == "nonfinite_grad"]
+    assert f.step == 2 and "skipped optimizer 0's update" in f.message

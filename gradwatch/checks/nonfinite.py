@@ -19,6 +19,11 @@ _ACTION = {
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     out: list[Finding] = []
     action = _ACTION[config.on_nonfinite]
+    if config.on_nonfinite == "skip" and stats.extra.get("several_optimizers"):
+        action = (
+            f"gradwatch skipped optimizer {stats.optimizer_index}'s update: its parameters and state are "
+            "unchanged (each optimizer's step is checked on its own)."
+        )
     stale = [v for v in stats.extra.get("stale_losses") or () if not math.isfinite(v)]
     # When the step itself is non-finite, the errors below cover it (SAM's first pass, whose gradients
     # were cleared before the second, is part of the same step).
