@@ -84,6 +84,11 @@ class Config:
             they barely move (learning rate far too low, or a scale problem). Exactly zero updates (a
             frozen layer, ``lr=0``) are not reported.
         rate_limit: Print at most this many findings of one kind to the console (all are recorded).
+        rank_agreement: With several processes (``torch.distributed``), fold every rank's verdict into one
+            small ``all_reduce`` per checked step so that all ranks skip (or raise on) the same step, and
+            rank zero names another rank's problem. It needs every rank to watch and to step together.
+            ``False`` (for a rank-conditional ``optimizer.step()``, or a watcher on some ranks only): no
+            collective of gradwatch's; each rank decides on its own gradients, which DDP keeps identical.
     """
 
     on_nonfinite: OnNonfinite = "skip"
@@ -108,6 +113,7 @@ class Config:
     update_ratio_every: int = 100
     update_ratio_band: tuple[float, float] = (1e-6, 0.1)
     rate_limit: int = 3
+    rank_agreement: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.log_dir, os.PathLike):
@@ -152,7 +158,7 @@ def _validate(c: Config) -> None:
             _Console = ()  # type: ignore[assignment,misc]
         if not isinstance(c.console, _Console):
             raise TypeError(f"console={c.console!r} must be True, False or a rich.console.Console")
-    for name in ("per_layer", "escalate", "save_batch", "deferred"):
+    for name in ("per_layer", "escalate", "save_batch", "deferred", "rank_agreement"):
         _check_bool(name, getattr(c, name))
     _check_int("every", c.every, minimum=1)
     _check_int("escalate_steps", c.escalate_steps, minimum=1)

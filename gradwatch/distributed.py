@@ -196,7 +196,10 @@ class RankAgreement:
         device = self._device(ctx, parts)
         parts = [p.to(device, non_blocking=True) if p.device != device else p for p in parts]
         self._sharded = self._sharded_indices(ctx)
-        vec = torch.zeros(self.world + len(self._sharded), dtype=torch.float32, device=device)
+        # [world: this step's verdicts][world: a non-finite loss on an earlier batch no update used (one a
+        # GradScaler dropped on every rank, or the training code skipped)][sharded squares]
+        w = self.world
+        vec = torch.zeros(2 * w + len(self._sharded), dtype=torch.float32, device=device)
         if parts:
             bad = (~torch.isfinite(torch.cat(parts))).any()
             amp_slot = ctx.slots.get("amp_scaler_skips", -1)
@@ -204,8 +207,11 @@ class RankAgreement:
                 # The AMP scaler drops this update itself (an overflow step): not a reason to skip.
                 bad = bad & (batch.part(amp_slot).to(device).sum() == 0)
             vec[self.rank] = bad.to(torch.float32)
+        stale_slot = ctx.slots.get("stale_loss", -1)
+        if stale_slot >= 0:
+            vec[w + self.rank] = (~torch.isfinite(batch.part(stale_slot).to(device))).any().to(torch.float32)
         if self._sharded:
-            vec[self.world :] = self._local_squares(ctx, device)
+            vec[2 * w :] = self._local_squares(ctx, device)
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
         self._slot = batch.add(vec)
 
@@ -278,9 +284,15 @@ class RankAgreement:
         values = ctx.batch.resolve()[self._slot]
         stats: StepStats = ctx.stats
         ranks = [r for r in range(self.world) if values[r] > 0]
+        dropped = [r for r in range(self.world) if values[self.world + r] > 0]
+        if dropped and self.rank not in dropped:
+            # Another rank's loss was NaN/Inf on a batch no update used; its NaN gradients reached every rank
+            # through the all-reduce (a GradScaler then dropped the step everywhere, which looks like an
+            # ordinary overflow here). That rank reports its own loss; this one names it.
+            self._engine.add_finding(other_rank_dropped_finding(stats, dropped))
         if self._sharded and len(stats.norms) == len(ctx.params):
             scale = float(stats.extra.get("grad_scale", 1.0) or 1.0)
-            for i, sq in zip(self._sharded, values[self.world :]):
+            for i, sq in zip(self._sharded, values[2 * self.world :]):
                 stats.norms[i] = math.sqrt(sq) / scale if sq >= 0 else sq
             stats.total_norm = total_norm(stats.norms)
             if stats.layer_norms:
@@ -421,6 +433,27 @@ def other_rank_finding(
             "reports": reports,
             "optimizer": stats.optimizer_index,
         },
+    )
+
+
+def other_rank_dropped_finding(stats: StepStats, ranks: list[int]) -> Finding:
+    """Another rank's loss was non-finite on a batch whose update was dropped (by a GradScaler, on every
+    rank, since the all-reduce carried the NaN/Inf there) or skipped by the training code."""
+    which = _ranks_text(ranks)
+    return Finding(
+        kind="nonfinite_on_other_rank",
+        step=stats.step,
+        severity="warning",
+        message=(
+            f"The loss on {which} was NaN/Inf on a batch before step {stats.step} that no update used: the "
+            "gradient all-reduce carried its NaN/Inf to every rank, and a GradScaler dropped that step on "
+            "every rank (here it looks like an ordinary fp16 overflow), or the training code skipped it.\n"
+            f"Why it matters: the batch or the forward pass on {which} produces NaN/Inf and will again with "
+            "similar data.\n"
+            f"Fix: look at the data on {which} at that step (its own findings name the input or the op: "
+            "``gw.findings`` there); filter bad samples, or guard the loss (log/sqrt/division of zero)."
+        ),
+        data={"ranks": list(ranks), "no_update": True, "optimizer": stats.optimizer_index},
     )
 
 

@@ -29,6 +29,6 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     exts.append(Escalation(integration=integration))
     from gradwatch.distributed import RankAgreement, is_distributed
 
-    if is_distributed():
+    if is_distributed() and engine.config.rank_agreement:
         exts.append(RankAgreement())  # last: it folds every rank's verdict into one collective
     return exts

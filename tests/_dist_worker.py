@@ -111,9 +111,14 @@ def ddp_unused(rank: int, wrapped: bool) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
-def ddp_nan(rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True) -> dict[str, Any]:
+def ddp_nan(
+    rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True, scaler: bool = False,
+    guard: bool = False,
+) -> dict[str, Any]:
     """DDP, a NaN in one sample of rank 1's batch at NAN_STEP; rank 0's data is finite. ``escalate=False``
-    holds no inputs: then only the observed losses can say where the NaN came from."""
+    holds no inputs: then only the observed losses can say where the NaN came from. ``scaler``: a
+    GradScaler (bf16 autocast) drops the NaN step on every rank. ``guard``: each rank skips
+    ``opt.step()`` on its own non-finite loss (ranks step unevenly), watched with ``rank_agreement=False``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -123,13 +128,26 @@ def ddp_nan(rank: int, *, adam: bool = False, escalate: bool = True, observe: bo
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     console = text_console()
-    with gradwatch.watch(model, opt, console=console, escalate=escalate) as gw:
+    amp = torch.amp.GradScaler("cpu") if scaler else None
+    options: dict[str, Any] = {"scaler": amp} if amp is not None else {}
+    if guard:
+        options["rank_agreement"] = False
+    with gradwatch.watch(model, opt, console=console, escalate=escalate, **options) as gw:
         for step in range(STEPS):
-            loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            x = batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler):
+                loss = model(x).float().pow(2).mean()
             if observe:
                 gw.observe_loss(loss)
             opt.zero_grad()
+            if amp is not None:
+                amp.scale(loss).backward()
+                amp.step(opt)
+                amp.update()
+                continue
             loss.backward()
+            if guard and not torch.isfinite(loss):
+                continue  # this rank alone skips its step
             opt.step()
     return {
         "findings": [f.to_dict() for f in gw.findings],
@@ -226,6 +244,8 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_nan": ddp_nan,
     "ddp_nan_input": lambda r: ddp_nan(r, adam=True, observe=False),
     "ddp_nan_loss": lambda r: ddp_nan(r, adam=True, escalate=False),
+    "ddp_nan_scaler": lambda r: ddp_nan(r, scaler=True),
+    "ddp_guarded_step": lambda r: ddp_nan(r, guard=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
 }

@@ -169,6 +169,22 @@ def test_ddp_nan_in_one_ranks_loss_is_named_without_held_inputs(runs: list[dict[
     assert "rank 1: 4 gradient(s) with NaN/Inf (49 NaN, 0 Inf)" in r0["console"]
 
 
+def test_ddp_nan_step_a_grad_scaler_dropped_names_the_rank_of_the_nan_loss(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_nan_scaler")  # the scaler, not gradwatch, drops the step on both ranks
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
+    assert f["severity"] == "warning" and f["data"]["ranks"] == [1]
+    assert "The loss on rank 1 was NaN/Inf on a batch before step" in r0["console"]
+    assert ("nonfinite_loss", 3) in kinds(r1)  # rank 1's own, at its step
+
+
+def test_ranks_stepping_unevenly_finish_with_rank_agreement_off(runs: list[dict[str, Any]]) -> None:
+    # With the agreement on, gradwatch's collective of one rank would pair with DDP's of the other.
+    r0, r1 = scenario(runs, "ddp_guarded_step")
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+    assert ("nonfinite_grad", 3) in kinds(r0)  # rank 0 stepped on the NaN gradients: gradwatch skipped it
+
+
 def test_other_ranks_finding_says_its_data_is_the_cause(runs: list[dict[str, Any]]) -> None:
     r0, _ = scenario(runs, "skip")  # no DDP: rank 0 is finite, rank 1's batch held the NaN
     (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
