@@ -1286,6 +1286,21 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "the model (seen in " + how + ")." + suspects + "\nFix: " + fix
         )
         return Finding(kind="nan_origin", step=step, severity="error", message=message, data=data)
+    if origin is None and loc.first_seen is not None:
+        seen = loc.first_seen
+        where = seen.module if seen.module is not None else ("training_step" if result.lightning else "the loss code")
+        line = f"\n    {seen.source}" + (f"\n      {seen.code}" if seen.code else "") if seen.source else ""
+        data.update(phase="forward", op=None, module=seen.module, first_seen=seen.func, source=seen.source,
+                    code=seen.code)
+        message = (
+            f"At step {step} ({how}) the forward pass already held NaN/Inf that no traced op produced: it was "
+            f"first seen as an input of {seen.func} in {where}{line}\n"
+            "It was written in place (x[i] = float('nan'), masked_fill_ with NaN), read from a buffer or a "
+            "tensor the model keeps, or made by code gradwatch does not trace.\n"
+            "Fix: look at what that line's inputs hold and where they were last written; guard the write "
+            "(torch.nan_to_num, a finite fill value such as torch.finfo(x.dtype).min)."
+        )
+        return Finding(kind="nan_origin", step=step, severity="error", message=message, module=seen.module, data=data)
     if origin is None:
         data.update(phase=None, op=None, module=loc.first_module)
         message = (

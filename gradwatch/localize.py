@@ -119,6 +119,7 @@ class Localization:
         first_module: The first module (in completion order) whose forward output was non-finite.
         first_module_inputs: ``min_abs``/``max_abs``/``min``/``max`` of that module's tensor inputs.
         forward_finite: Whether every recorded forward op output was finite.
+        first_seen: With no birth found, the site of the first recorded op whose inputs held NaN/Inf.
         ops_recorded: Number of forward ops recorded.
         nodes_recorded: Number of backward nodes that ran with a hook.
     """
@@ -127,6 +128,9 @@ class Localization:
     first_module: str | None = None
     first_module_inputs: dict[str, float] = field(default_factory=dict)
     forward_finite: bool = True
+    #: With no birth found: the first recorded op whose inputs already held NaN/Inf (where it was first
+    #: seen: written in place, e.g. ``x[i] = float("nan")``, or read from a buffer or untraced code).
+    first_seen: Site | None = None
     ops_recorded: int = 0
     nodes_recorded: int = 0
 
@@ -391,6 +395,8 @@ class Localizer:
         self, func: Any, args: Any, kwargs: Any, before: torch.Tensor | None, out: Any, aten: tuple[int, int]
     ) -> None:
         outs = _float_tensors(out)
+        if not outs and args and isinstance(args[0], torch.Tensor):
+            outs = _float_tensors(args[0])  # an in-place write that returns nothing (x[i] = v): x is its output
         if not outs:
             return
         site = self._site(func)
@@ -501,7 +507,8 @@ class Localizer:
             site, node, intent, before, after = ops[found]
             origin = Origin(
                 phase="forward",
-                op=node.name() if node is not None else site.func,
+                # CopySlices (an in-place write into a view) says less than the op that wrote: x[i] = v.
+                op=node.name() if node is not None and "::" not in node.name() else site.func,
                 forward_op=site.func,
                 module=site.module,
                 source=site.source,
@@ -533,6 +540,8 @@ class Localizer:
             if backward is not None or origin is None:
                 origin = backward
         loc.origin = origin
+        if origin is None and not loc.forward_finite:
+            loc.first_seen = next((site for site, _n, _i, before, _a in ops if before is not None and _bad(before)), None)
         for label, ins, outs in mods:
             if outs is not None and _bad(outs):
                 loc.first_module = label

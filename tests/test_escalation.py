@@ -615,3 +615,34 @@ def test_nan_returned_by_a_custom_function_backward_names_the_function_and_its_m
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert (origin.step, origin.op, origin.module) == (2, "FlakyGradBackward", "mid")
     assert "custom autograd.Function FlakyGrad" in origin.message and "FlakyGrad.apply" in origin.message
+
+
+class SentinelWriter(nn.Module):
+    """Writes a NaN sentinel into an activation in place (``h[i] = float("nan")``) on chosen steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        if self.poison:
+            h[0, 0] = float("nan")
+        return self.head(torch.tanh(h))
+
+
+def test_nan_written_in_place_into_an_activation_names_the_write() -> None:
+    model = SentinelWriter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            model.poison = step == 2
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.op, origin.data["phase"]) == (2, "Tensor.__setitem__", "forward")
+    assert 'h[0, 0] = float("nan")' in origin.message and origin.data["explicit_operand"] is True
