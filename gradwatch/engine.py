@@ -609,38 +609,49 @@ class Engine:
             raise GradWatchError(_error_text(None, [finding], "on_nonfinite='raise'"), [finding])
         return False
 
+    def _nonfinite_now(
+        self, opt_indices: list[int], losses: list[torch.Tensor]
+    ) -> tuple[float | None, list[str], tuple[dict[str, int], dict[str, int]], int]:
+        """Off the hot path (a guarded re-evaluation, an exception): the first non-finite loss value among
+        ``losses``, the names of the gradients of ``opt_indices`` that hold NaN/Inf with their counts, and
+        how many gradients there are. One read, plus one for the counts when some are non-finite."""
+        names: list[str] = []
+        grads: list[torch.Tensor] = []
+        for i in opt_indices:
+            op = self.index.per_optimizer[i]
+            for p, n in zip(op.params, op.names):
+                if p.grad is not None:
+                    names.append(n)
+                    grads.append(p.grad)
+        batch = SyncBatch()
+        slots = queue_grad_norms(batch, grads)
+        live = [l for l in losses if isinstance(l, torch.Tensor) and l.numel() > 0 and not l.is_meta]
+        loss_slot = batch.add(torch.stack([l.detach().float().mean() for l in live])) if live else -1
+        values = batch.resolve() if slots or live else []
+        norms = read_grad_norms(values, slots, len(grads)) if slots else []
+        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        counts = count_nonfinite(names, grads, suspects)
+        bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
+        bad_loss = next((v for v in values[loss_slot] if not math.isfinite(v)), None) if live else None
+        return bad_loss, bad, counts, len(names)
+
     def _reevaluation_finding(self, opt_index: int, loss: Any, evaluation: int, step: int | None,
                               large_loss: bool) -> Finding | None:
         from gradwatch.checks import nonfinite
 
-        op = self.index.per_optimizer[opt_index]
-        names = [n for p, n in zip(op.params, op.names) if p.grad is not None]
-        grads = [p.grad for p in op.params if p.grad is not None]
-        batch = SyncBatch()
-        slots = queue_grad_norms(batch, grads)
-        loss_slot = -1
-        if isinstance(loss, torch.Tensor) and loss.numel() > 0 and not loss.is_meta:
-            loss_slot = batch.add(loss.detach().float().mean().reshape(1))
-        if not slots and loss_slot < 0:
+        bad_loss, bad, counts, total = self._nonfinite_now([opt_index], [loss] if loss is not None else [])
+        if not bad and bad_loss is None:
             return None
-        values = batch.resolve()
-        norms = read_grad_norms(values, slots, len(grads))
-        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
-        lv = values[loss_slot][0] if loss_slot >= 0 else None
-        counts = count_nonfinite(names, grads, suspects)
-        bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
-        if not bad and (lv is None or math.isfinite(lv)):
-            return None
-        opt = op.optimizer
+        opt = self.index.per_optimizer[opt_index].optimizer
         return nonfinite.reevaluation(
             step=self.step_counts[opt_index] if step is None else step,
             optimizer_index=opt_index,
             optimizer_name=type(opt).__name__ if opt is not None else "the optimizer",
             evaluation=evaluation,
-            loss=lv,
+            loss=bad_loss,
             bad_params=bad,
             counts=counts,
-            total_params=len(names),
+            total_params=total,
             policy=self.config.on_nonfinite,
             returned_large_loss=large_loss and self.config.on_nonfinite == "skip",
         )
@@ -692,25 +703,11 @@ class Engine:
         path: a few syncs)."""
         from gradwatch.checks import nonfinite
 
-        losses = torch.stack([l.float().mean() for l in self._losses]).tolist() if self._losses else []
-        bad_loss = next((v for v in losses if not math.isfinite(v)), None)
-        names: list[str] = []
-        grads: list[torch.Tensor] = []
-        for op in self.index.per_optimizer:
-            for p, n in zip(op.params, op.names):
-                if p.grad is not None:
-                    names.append(n)
-                    grads.append(p.grad)
-        batch = SyncBatch()
-        slots = queue_grad_norms(batch, grads)
-        norms = read_grad_norms(batch.resolve(), slots, len(grads)) if slots else []
-        suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
-        counts = count_nonfinite(names, grads, suspects)
-        bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
+        bad_loss, bad, counts, total = self._nonfinite_now(list(range(len(self.index.per_optimizer))), self._losses)
         if bad_loss is None and not bad:
             return None
         self.drop_losses()
-        return nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, len(names))
+        return nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, total)
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:

@@ -145,14 +145,7 @@ def reevaluation(
     evaluation's loss or gradients are NaN/Inf, although the first evaluation's were finite."""
     nan, inf = counts
     loss_bad = loss is not None and not math.isfinite(loss)
-    what = []
-    if loss_bad:
-        what.append(f"the loss is {loss}")
-    if bad_params:
-        what.append(
-            f"{len(bad_params)} of {total_params} gradients hold non-finite values "
-            f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
-        )
+    what = _what(loss if loss_bad else None, bad_params, counts, total_params, "is", "hold")
     returned = (
         " and gave it a very large finite loss for this evaluation (a failed trial: a line search backs off)"
         if returned_large_loss
@@ -195,14 +188,7 @@ def raised_before_check(
     """The training code raised before the optimizer step that gradwatch checks, on a non-finite loss or
     non-finite gradients (``clip_grad_norm_(..., error_if_nonfinite=True)``, a user's NaN assert)."""
     nan, inf = counts
-    what = []
-    if loss is not None:
-        what.append(f"the loss was {loss}")
-    if bad_params:
-        what.append(
-            f"{len(bad_params)} of {total_params} gradients held non-finite values "
-            f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
-        )
+    what = _what(loss, bad_params, counts, total_params, "was", "held")
     first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
     return Finding(
         kind="nonfinite_grad" if bad_params else "nonfinite_loss",
@@ -220,6 +206,25 @@ def raised_before_check(
         params=tuple(bad_params),
         data={"loss": loss, "nan_counts": dict(nan), "inf_counts": dict(inf), "raised": type(exc).__name__},
     )
+
+
+def _what(
+    loss: float | None,
+    bad_params: list[str],
+    counts: tuple[dict[str, int], dict[str, int]],
+    total_params: int,
+    is_: str,
+    hold: str,
+) -> list[str]:
+    """"the loss is nan", "3 of 4 gradients hold non-finite values (...): names" (tense given)."""
+    nan, inf = counts
+    what = [f"the loss {is_} {loss}"] if loss is not None else []
+    if bad_params:
+        what.append(
+            f"{len(bad_params)} of {total_params} gradients {hold} non-finite values "
+            f"({sum(nan.values())} NaN, {sum(inf.values())} Inf): {names_text(bad_params)}"
+        )
+    return what
 
 
 def _fmt(v: float | None) -> str:
