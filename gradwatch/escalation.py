@@ -438,7 +438,9 @@ class Escalation:
         result: _Result | None = None
         bad_inputs = self._nonfinite_inputs()
         if bad_inputs:
-            out.append(_input_finding(stats.step, bad_inputs))
+            # The NaN batch's forward may already have written NaN into buffers (BatchNorm running stats, a
+            # fake-quant observer): skipping the update does not undo that, so say it now.
+            out.append(_input_finding(stats.step, bad_inputs, self._poisoned(buffers=True)))
         else:
             poisoned = self._poisoned(buffers=False)
             if poisoned:
@@ -1079,8 +1081,15 @@ def layer_table(stats: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
+def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str] | None = None) -> Finding:
     parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in bad]
+    stale = ""
+    if buffers:
+        stale = (
+            f"\nIts forward pass also wrote NaN/Inf into buffers that later forwards read: {names_text(buffers)} "
+            "(skipping the update does not undo that): reset them (BatchNorm: module.reset_running_stats()) "
+            "or reload a checkpoint, or every later step is non-finite."
+        )
     return Finding(
         kind="nonfinite_input",
         step=step,
@@ -1090,9 +1099,10 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
             f"{', '.join(parts[:8])}{' and more' if len(parts) > 8 else ''}. The data, not the model, is the "
             "cause.\nFix: find where the batch is built (missing values in the dataset, a normalization by "
             "a zero std, a broken augmentation); filter or impute bad samples, and assert "
-            "torch.isfinite(x).all() in the data pipeline while debugging."
+            "torch.isfinite(x).all() in the data pipeline while debugging." + stale
         ),
         data={
+            "poisoned_buffers": list(buffers or []),
             "inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
             "table": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
         },

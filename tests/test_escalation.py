@@ -560,6 +560,8 @@ def test_buffer_poisoned_by_a_nan_batch_is_named_on_the_steps_after() -> None:
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
+    (first,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert first.step == 3 and first.data["poisoned_buffers"] == ["norm.scale"]  # said at the NaN step
     later = [f for f in gw.findings if f.kind == "nan_origin" and f.step > 3]
     assert later and all("norm.scale" in f.message for f in later), [(f.kind, f.step) for f in gw.findings]
     assert not any("could not reproduce" in f.message or "Born in" in f.message for f in later)
