@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -144,9 +145,16 @@ class Engine:
         self._build_reporters(tb_writer, tb_log_dir)
         self._hooks: list[Any] = []
         if model is not None:
+            # Process-wide hooks hold the engine weakly and go with it: an engine never closed must not keep
+            # its model alive, nor slow down every later module registration.
             reg = torch.nn.modules.module
-            self._hooks.append(reg.register_module_parameter_registration_hook(self._on_param_registered))
-            self._hooks.append(reg.register_module_module_registration_hook(self._on_module_registered))
+            for register, method in (
+                (reg.register_module_parameter_registration_hook, "_on_param_registered"),
+                (reg.register_module_module_registration_hook, "_on_module_registered"),
+            ):
+                handle = register(_weak_method(self, method))
+                self._hooks.append(handle)
+                weakref.finalize(self, handle.remove)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _build_reporters(self, tb_writer: Any, tb_log_dir: str | None) -> None:
@@ -786,6 +794,17 @@ class Engine:
         self.kind_counts = Counter({str(k): int(v) for k, v in state.get("kind_counts", {}).items()})
         self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
         self.history.load_state_dict(state.get("history", {}))
+
+
+def _weak_method(obj: Any, name: str) -> Any:
+    """A function calling ``obj.<name>(...)`` while ``obj`` lives, and doing nothing after."""
+    ref = weakref.ref(obj)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        return getattr(target, name)(*args, **kwargs) if target is not None else None
+
+    return call
 
 
 def failed_trial_loss(loss: Any) -> Any:

@@ -18,13 +18,19 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.config import make_config
 from gradwatch.distributed import is_rank_zero
-from gradwatch.engine import Engine, failed_trial_loss
+from gradwatch.engine import Engine, _weak_method, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
 
-_WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Watcher] = weakref.WeakKeyDictionary()
+# optimizer -> its watcher, both weakly (a strong value would keep its own key, the optimizer, alive).
+_WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Watcher]] = weakref.WeakKeyDictionary()
+
+
+def _watcher_of(opt: torch.optim.Optimizer) -> Watcher | None:
+    ref = _WATCHED.get(opt)
+    return ref() if ref is not None else None
 
 
 class Watcher:
@@ -64,7 +70,7 @@ class Watcher:
                 "are no gradients to watch; unfreeze some parameters or do not watch this model"
             )
         for opt in optimizers:
-            other = _WATCHED.get(opt)
+            other = _watcher_of(opt)
             if other is not None and not other.closed:
                 raise RuntimeError(
                     f"optimizer {type(opt).__name__} is already watched by another gradwatch watcher; "
@@ -78,7 +84,7 @@ class Watcher:
         self._pending_snapshot: dict[int, dict[Any, Any]] = {}
         self._closure_step: set[int] = set()
         for i, opt in enumerate(optimizers):
-            _WATCHED[opt] = self
+            _WATCHED[opt] = weakref.ref(self)
             # Run eagerly under torch.compile(opt.step): dynamo would trace gradwatch's own Python (graph
             # breaks at its sync, recompiles) and see no real gradients.
             self._handles.append(opt.register_step_pre_hook(_eager(functools.partial(self._pre_step, i))))
@@ -87,7 +93,11 @@ class Watcher:
         self._known: weakref.WeakSet[Any] = weakref.WeakSet([*given, *optimizers])
         self._in_watched_step = False
         if optimizers:
-            self._handles.append(register_optimizer_step_pre_hook(_eager(self._any_step)))
+            # A process-wide hook: it holds the watcher weakly, and is removed when the watcher is closed or
+            # collected (a watcher never closed must not keep its model alive through it).
+            handle = register_optimizer_step_pre_hook(_eager(_weak_method(self, "_any_step")))
+            self._handles.append(handle)
+            weakref.finalize(self, handle.remove)
         try:
             extensions = default_extensions(self.engine, scaler=scaler, integration="plain")
         except Exception as exc:  # noqa: BLE001 - watch on with the core checks only
@@ -147,7 +157,7 @@ class Watcher:
         self._handles = []
         self.engine.restore_grads()
         for opt in self.optimizers:
-            if _WATCHED.get(opt) is self:
+            if _watcher_of(opt) is self:
                 del _WATCHED[opt]
         self.engine.close()
 

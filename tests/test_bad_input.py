@@ -318,3 +318,23 @@ def test_scaler_that_is_not_a_grad_scaler() -> None:
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler or None, got str"):
         gradwatch.watch(model, opt, scaler="amp", console=False)
     assert not opt._optimizer_step_pre_hooks
+
+
+def test_close_removes_every_process_wide_hook() -> None:
+    from torch.nn.modules import module as mod
+    from torch.optim import optimizer as optim_mod
+
+    def counts() -> tuple[int, int, int]:
+        return (
+            len(mod._global_parameter_registration_hooks),
+            len(mod._global_module_registration_hooks),
+            len(optim_mod._global_optimizer_pre_hooks),
+        )
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = counts()
+    gw = gradwatch.watch(model, opt, console=False)
+    assert counts() == (before[0] + 1, before[1] + 1, before[2] + 1)
+    gw.close()
+    assert counts() == before

@@ -19,6 +19,7 @@ A persisting explosion is reported once; it is reported again only after 10 chec
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from typing import Any
 
@@ -73,7 +74,7 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "n": len(recent),
         "median": math.exp(m) if math.isfinite(m) else None,
         "early": history.memory.get(_EARLY, {}).get(i),
-        "history": history,
+        "history": weakref.ref(history),  # weakly: once_per_check keeps the latest facts process-wide
         "optimizer": i,
         "excess": excess,
         # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
@@ -126,7 +127,8 @@ def _beyond_converged(facts: dict[str, Any]) -> bool:
     """False for a jump of a converged run that stays near the run's own early levels (only asked about
     a step that already clears the spike thresholds)."""
     early = facts.get("early")
-    how = converged(facts["history"], facts["optimizer"]) if early is not None else None
+    history = facts["history"]()
+    how = converged(history, facts["optimizer"]) if early is not None and history is not None else None
     if how == "loss":
         return facts["total"] > CONVERGED_FACTOR * early
     if how == "norm":
