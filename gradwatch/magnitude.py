@@ -87,10 +87,11 @@ def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
     def wrapper(stats: Any, history: Any) -> _T:
         last = history.last.get(stats.optimizer_index)
         memo = cell[0]  # one read: another thread may replace it, never half of it
-        if memo and memo[0]() is stats and memo[1]() is history and memo[2] is last:
+        if memo and memo[0]() is stats and memo[1]() is history and (memo[2]() if memo[2] else None) is last:
             return memo[3]  # type: ignore[no-any-return]
         value = fn(stats, history)
-        cell[0] = (weakref.ref(stats), weakref.ref(history), last, value)
+        # Everything weakly but the value: this cell outlives the run, which must not stay alive through it.
+        cell[0] = (weakref.ref(stats), weakref.ref(history), weakref.ref(last) if last is not None else None, value)
         return value
 
     return wrapper

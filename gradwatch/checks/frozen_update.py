@@ -15,6 +15,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
+from gradwatch.magnitude import once_per_check
 from gradwatch.stats import StepStats
 
 _KEY = "frozen_param_updated"
@@ -22,7 +23,8 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _MOVING_STATE = ("momentum_buffer", "exp_avg", "square_avg", "acc_delta", "exp_inf", "ax", "mu_product")
 
 
-def _moved(stats: StepStats) -> tuple[list[str], list[str]]:
+@once_per_check
+def _moved(stats: StepStats, history: History) -> tuple[list[str], list[str]]:
     """Frozen parameters the step will still move, and why (momentum / weight decay)."""
     params = stats.extra.get("params")
     if not isinstance(params, list) or len(params) != len(stats.names) or all(map(_REQUIRES_GRAD, params)):
@@ -46,7 +48,7 @@ def _moved(stats: StepStats) -> tuple[list[str], list[str]]:
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    names, why = _moved(stats)
+    names, why = _moved(stats, history)
     if not names or history.reported.get(_KEY) == tuple(names):
         return []
     opt = stats.extra.get("optimizer")
@@ -73,8 +75,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    if stats.extra.get("params") is None:
-        return
-    names, _ = _moved(stats) if not all(map(_REQUIRES_GRAD, stats.extra["params"])) else ([], [])
+    names, _ = _moved(stats, history)
     if names:
         history.reported[_KEY] = tuple(names)
