@@ -338,3 +338,22 @@ def test_close_removes_every_process_wide_hook() -> None:
     assert counts() == (before[0] + 1, before[1] + 1, before[2] + 1)
     gw.close()
     assert counts() == before
+
+
+def test_a_closed_run_keeps_nothing_of_its_model_alive() -> None:
+    import gc
+    import weakref
+
+    def run() -> weakref.ref[nn.Module]:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gradwatch.watch(model, opt, console=False):
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 2)).sum().backward()
+                opt.step()
+        return weakref.ref(model)
+
+    ref = run()
+    gc.collect()
+    assert ref() is None
