@@ -396,6 +396,9 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     if param is not None and (raw_op is None or op in ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")):
         pname, pmodule, pshape = param
         data.update(param=pname, module_exact=True)
+        writer = _traced_write(ctx, pname)
+        if writer is not None:  # the forward itself wrote the parameter (nn.Embedding(max_norm=...))
+            return _param_written_in_forward(ctx, pname, pmodule, pshape, now, expected, writer, data, op)
         return Finding(
             kind="inplace_error",
             step=ctx.step,
@@ -430,6 +433,56 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     if record is not None:
         return _inplace_traced(ctx, record, op or record.op, shape, now, expected, data)
     return _inplace_untraced(ctx, producer, consumer, op, shape, now, expected, data)
+
+
+def _traced_write(ctx: _Context, pname: str) -> InplaceRecord | None:
+    """A traced in-place op of this step's forward on parameter ``pname`` (itself or a view of it)."""
+    tracer = ctx.tracer
+    if tracer is None or not tracer.traced_step:
+        return None
+    param = next((p for n, p in ctx.index.model_params if n == pname), None)
+    if param is None:
+        return None
+    for rec in tracer.inplace:
+        base = rec.base() if rec.base is not None else None
+        if rec.tensor() is param or base is param:
+            return rec
+    return None
+
+
+def _param_written_in_forward(
+    ctx: _Context, pname: str, pmodule: str, pshape: tuple[int, ...], now: int, expected: int,
+    writer: InplaceRecord, data: dict[str, Any], op: str | None,
+) -> Finding:
+    source = _with_line(writer.source)
+    renorm = "embedding" in writer.op  # F.embedding writes its weight only with max_norm (renorm)
+    fix = (
+        "Fix: nn.Embedding(max_norm=...) renormalizes its weight in place when it is called; every other "
+        f"use of {pname} in the same forward (a tied output layer, weight @ x) must come after that call or "
+        f"use a copy ({pname.rsplit('.', 1)[-1]}.clone()), or drop max_norm and normalize the looked-up "
+        "vectors instead."
+        if renorm
+        else "Fix: do not write a parameter in place during the forward (use an out-of-place op on a copy), "
+        "or make every use of it that autograd saves come after the write."
+    )
+    data.update(modified_by=writer.op, modified_in=ctx.display_module(writer.module), modified_at=source)
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message=(
+            f"backward() failed at step {ctx.step}: parameter {pname} (shape {list(pshape)}) was changed in "
+            f"place during this step's forward, after an op had saved it ({_versions_text(now, expected)}).\n"
+            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
+            + (f" at {source}" if source else "")
+            + f"; the op that saved it earlier is {data.get('consumer')}.\n"
+            f"{_WHY_INPLACE}\n{fix}"
+        ),
+        params=(pname,),
+        module=ctx.display_module(pmodule),
+        op=op or data.get("consumer"),
+        data=data,
+    )
 
 
 def node_op_name(raw: str) -> str:

@@ -112,9 +112,16 @@ class _RecordingMode(TorchFunctionMode):
         out_kw = kwargs.get("out")
         before = first._version if first is not None else 0
         before_out = out_kw._version if isinstance(out_kw, torch.Tensor) else 0
+        # Other tensor arguments a function writes in place (F.embedding with max_norm renormalizes its
+        # weight, the second argument), checked by version like the first.
+        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor) and a is not out_kw]
+        versions = [a._version for a in others]
         result = func(*args, **kwargs)
         try:
-            self.tracer.record(func, first, before, out_kw, before_out, result, kwargs.get("inplace") is True)
+            written = [(a, v) for a, v in zip(others, versions) if a._version != v]
+            self.tracer.record(
+                func, first, before, out_kw, before_out, result, kwargs.get("inplace") is True, written
+            )
         except Exception as exc:  # noqa: BLE001 - tracing must never change what the model computes
             internal_warning("forward tracer", exc)
         return result
@@ -240,9 +247,10 @@ class ForwardTracer:
         before_out: int,
         result: Any,
         inplace_flag: bool = False,
+        written: list[tuple[torch.Tensor, int]] | None = None,
     ) -> None:
         module = self._stack[-1] if self._stack else None
-        changed: list[tuple[torch.Tensor, int]] = []
+        changed: list[tuple[torch.Tensor, int]] = list(written or ())
         if first is not None and first._version != before:
             changed.append((first, before))
         if isinstance(out_kw, torch.Tensor) and out_kw._version != before_out:

@@ -552,3 +552,33 @@ def test_loss_reduced_over_one_dimension_only_says_so() -> None:
     f = only(run.gw, "nonscalar_backward")  # type: ignore[attr-defined]
     assert f.data["shape"] == [4] and "reduced (Mean) over some dimensions but not all" in f.message
     assert "no reduction in between" not in f.message
+
+
+class TiedMaxNorm(nn.Module):
+    """nn.Embedding(max_norm=...) with its weight also used directly, before the lookup renormalizes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8, max_norm=1.0)
+        self.proj = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)  # rows above max_norm: the lookup really rewrites them
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        prior = self.proj.weight @ self.emb.weight.t()  # saves the weight ...
+        h = self.proj(self.emb(tok))  # ... which the max_norm lookup then renormalizes in place
+        return h @ self.emb.weight.t() + prior.sum(0)
+
+
+# https://github.com/pytorch/pytorch/issues/26596 (max_norm with the embedding weight used elsewhere)
+def test_embedding_max_norm_renormalizing_a_saved_weight_is_named_with_its_fix() -> None:
+    model = TiedMaxNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            tok = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(0))
+            model(tok).sum().backward()
+    f = only(gw, "inplace_error")
+    assert (f.step, f.params, f.data["modified_by"], f.data["modified_in"]) == (0, ("emb.weight",), "embedding", "emb")
+    assert "max_norm" in f.message and "optimizer.step()" not in f.message
