@@ -318,7 +318,8 @@ class Localizer:
         wrappers = _module_wrappers(self.root)
         for name, m in self.root.named_modules():
             label = user_path(name, wrappers) or self.root_label  # no torch.compile / DDP wrapper segments
-            self._module_hooks.append(m.register_forward_pre_hook(functools.partial(self._enter, label)))
+            # prepend: before the module's own pre-hooks (legacy weight_norm computes the weight in one)
+            self._module_hooks.append(m.register_forward_pre_hook(functools.partial(self._enter, label), prepend=True))
             self._module_hooks.append(
                 m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
             )
