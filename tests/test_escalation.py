@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -648,3 +649,31 @@ def test_nan_written_in_place_into_an_activation_names_the_write() -> None:
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert (origin.step, origin.op, origin.data["phase"]) == (2, "Tensor.__setitem__", "forward")
     assert 'h[0, 0] = float("nan")' in origin.message and origin.data["explicit_operand"] is True
+
+
+class LegacyWeightNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated, still widely used
+            self.enc = torch.nn.utils.weight_norm(nn.Linear(4, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.enc(x)))
+
+
+def test_nan_born_in_a_modules_own_pre_hook_is_named_in_that_module() -> None:
+    model = LegacyWeightNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, max_skips=None) as gw:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.enc.weight_v[0].zero_()  # a zero direction row: 0/0 in the pre-hook's weight
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            opt.step()
+    origin = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert origin and (origin[0].step, origin[0].module) == (2, "enc"), [(f.step, f.module) for f in origin]
