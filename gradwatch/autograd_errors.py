@@ -396,31 +396,9 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     if param is not None and (raw_op is None or op in ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")):
         pname, pmodule, pshape = param
         data.update(param=pname, module_exact=True)
-        writer = _traced_write(ctx, pname)
-        if writer is not None:  # the forward itself wrote the parameter (nn.Embedding(max_norm=...))
-            return _param_written_in_forward(ctx, pname, pmodule, pshape, now, expected, writer, data, op)
-        return Finding(
-            kind="inplace_error",
-            step=ctx.step,
-            severity="error",
-            message=(
-                f"backward() failed at step {ctx.step}: parameter {pname} (shape {list(pshape)}) was changed in "
-                f"place after the forward pass that used it and before this backward (it is at version {now}; "
-                f"autograd saved it at version {expected}).\n"
-                f"Where: module {ctx.display_module(pmodule)}; the op that saved it is {data['consumer']}.\n"
-                f"{_WHY_INPLACE}\n"
-                "Fix: the usual cause is optimizer.step() (an in-place update) between a forward and the "
-                "backward of a loss built from it, e.g. stepping the discriminator before the generator's "
-                "loss.backward() in a GAN, or two losses sharing the model with a step in between. Call "
-                "backward() for every loss built from a forward before stepping, or redo the forward after "
-                "step(). Other in-place updates of weights (`w.data.mul_()`, `with torch.no_grad(): w += ...`, "
-                "weight clipping) between forward and backward do the same."
-            ),
-            params=(pname,),
-            module=ctx.display_module(pmodule),
-            op=op or data["consumer"],
-            data=data,
-        )
+        tensor = next((p for n, p in ctx.index.model_params if n == pname), None)
+        writes = _traced_writes(ctx, tensor) if tensor is not None else []
+        return _param_finding(ctx, pname, pmodule, pshape, now, expected, data, op, writes[0] if writes else None)
     if raw_op is None:
         buffer = _modified_buffer(ctx, shape, now)
         if buffer is not None:
@@ -435,48 +413,59 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     return _inplace_untraced(ctx, producer, consumer, op, shape, now, expected, data)
 
 
-def _traced_write(ctx: _Context, pname: str) -> InplaceRecord | None:
-    """A traced in-place op of this step's forward on parameter ``pname`` (itself or a view of it)."""
+def _traced_writes(ctx: _Context, tensor: torch.Tensor) -> list[InplaceRecord]:
+    """Traced in-place ops of this step's forward on ``tensor`` (itself or a view of it)."""
     tracer = ctx.tracer
     if tracer is None or not tracer.traced_step:
-        return None
-    param = next((p for n, p in ctx.index.model_params if n == pname), None)
-    if param is None:
-        return None
-    for rec in tracer.inplace:
-        base = rec.base() if rec.base is not None else None
-        if rec.tensor() is param or base is param:
-            return rec
-    return None
+        return []
+    return [r for r in tracer.inplace if r.tensor() is tensor or (r.base is not None and r.base() is tensor)]
 
 
-def _param_written_in_forward(
+def _param_finding(
     ctx: _Context, pname: str, pmodule: str, pshape: tuple[int, ...], now: int, expected: int,
-    writer: InplaceRecord, data: dict[str, Any], op: str | None,
+    data: dict[str, Any], op: str | None, writer: InplaceRecord | None,
 ) -> Finding:
-    source = _with_line(writer.source)
-    renorm = "embedding" in writer.op  # F.embedding writes its weight only with max_norm (renorm)
-    fix = (
-        "Fix: nn.Embedding(max_norm=...) renormalizes its weight in place when it is called; every other "
-        f"use of {pname} in the same forward (a tied output layer, weight @ x) must come after that call or "
-        f"use a copy ({pname.rsplit('.', 1)[-1]}.clone()), or drop max_norm and normalize the looked-up "
-        "vectors instead."
-        if renorm
-        else "Fix: do not write a parameter in place during the forward (use an out-of-place op on a copy), "
-        "or make every use of it that autograd saves come after the write."
-    )
-    data.update(modified_by=writer.op, modified_in=ctx.display_module(writer.module), modified_at=source)
+    """A parameter autograd saved was changed in place before this backward: by the forward itself
+    (``writer``, traced: ``nn.Embedding(max_norm=...)``), or else, usually, by ``optimizer.step()``."""
+    if writer is None:
+        when = f"after the forward pass that used it and before this backward ({_versions_text(now, expected)})"
+        where = f"Where: module {ctx.display_module(pmodule)}; the op that saved it is {data['consumer']}."
+        fix = (
+            "Fix: the usual cause is optimizer.step() (an in-place update) between a forward and the "
+            "backward of a loss built from it, e.g. stepping the discriminator before the generator's "
+            "loss.backward() in a GAN, or two losses sharing the model with a step in between. Call "
+            "backward() for every loss built from a forward before stepping, or redo the forward after "
+            "step(). Other in-place updates of weights (`w.data.mul_()`, `with torch.no_grad(): w += ...`, "
+            "weight clipping) between forward and backward do the same."
+        )
+    else:
+        source = _with_line(writer.source)
+        when = f"during this step's forward, after an op had saved it ({_versions_text(now, expected)})"
+        where = (
+            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
+            + (f" at {source}" if source else "")
+            + f"; the op that saved it earlier is {data.get('consumer')}."
+        )
+        if "embedding" in writer.op:  # F.embedding writes its weight only with max_norm (renorm)
+            fix = (
+                "Fix: nn.Embedding(max_norm=...) renormalizes its weight in place when it is called; every "
+                f"other use of {pname} in the same forward (a tied output layer, weight @ x) must come after "
+                f"that call or use a copy ({pname.rsplit('.', 1)[-1]}.clone()), or drop max_norm and "
+                "normalize the looked-up vectors instead."
+            )
+        else:
+            fix = (
+                "Fix: do not write a parameter in place during the forward (use an out-of-place op on a "
+                "copy), or make every use of it that autograd saves come after the write."
+            )
+        data.update(modified_by=writer.op, modified_in=ctx.display_module(writer.module), modified_at=source)
     return Finding(
         kind="inplace_error",
         step=ctx.step,
         severity="error",
         message=(
             f"backward() failed at step {ctx.step}: parameter {pname} (shape {list(pshape)}) was changed in "
-            f"place during this step's forward, after an op had saved it ({_versions_text(now, expected)}).\n"
-            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
-            + (f" at {source}" if source else "")
-            + f"; the op that saved it earlier is {data.get('consumer')}.\n"
-            f"{_WHY_INPLACE}\n{fix}"
+            f"place {when}.\n{where}\n{_WHY_INPLACE}\n{fix}"
         ),
         params=(pname,),
         module=ctx.display_module(pmodule),
@@ -534,12 +523,7 @@ def _buffer_finding(
     name, buf = buffer
     owner, _, attr = name.rpartition(".")
     module = ctx.display_module(owner) if owner else ctx.display_module("")
-    mods = []
-    if ctx.tracer is not None and ctx.tracer.traced_step:
-        mods = [
-            r for r in ctx.tracer.inplace
-            if r.tensor() is buf or (r.base is not None and r.base() is buf)
-        ]
+    mods = _traced_writes(ctx, buf)
     lines = [
         (
             f"backward() failed at step {ctx.step}: buffer {name} (shape {list(buf.shape)}) of module {module} "
