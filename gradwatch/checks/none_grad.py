@@ -8,6 +8,9 @@ from gradwatch.history import History
 from gradwatch.stats import StepStats
 
 
+_EMPTY: frozenset[str] = frozenset()
+
+
 def _never(stats: StepStats, history: History) -> frozenset[str]:
     """Parameters of this optimizer that have had no gradient on any checked step so far."""
     previous = history.reported.get(f"none_grad_never/{stats.optimizer_index}")
@@ -73,8 +76,8 @@ def remember(stats: StepStats, history: History) -> None:
     gradient (called by the engine; O(1) on a step where every parameter has one)."""
     never_key = f"none_grad_never/{stats.optimizer_index}"
     if not stats.none_grad:
-        if stats.names and history.reported.get(never_key) != frozenset():
-            history.reported[never_key] = frozenset()  # every parameter has had a gradient now
+        if stats.names and history.reported.get(never_key) is not _EMPTY:
+            history.reported[never_key] = _EMPTY  # every parameter has had a gradient now
         return
     if not stats.names:
         return
