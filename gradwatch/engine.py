@@ -123,6 +123,7 @@ class Engine:
         #: Gradients were cleared between two backward passes since the previous check (single optimizer).
         self.cleared_between_backwards = False
         self._backwards_since_check = 0
+        self._cleared_backwards = 0  # backward passes since then that found the gradients cleared
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -272,6 +273,7 @@ class Engine:
         took them: the losses observed up to that backward went with gradients nobody used."""
         if self._backwards_since_check:
             self.cleared_between_backwards = True  # not the usual zero_grad() before a step's first backward
+            self._cleared_backwards += 1
         mark, self._loss_mark = self._loss_mark, 0
         if mark:
             self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
@@ -358,8 +360,12 @@ class Engine:
             stats.extra["several_optimizers"] = True
         if self.cleared_between_backwards:
             stats.extra["cleared_between_backwards"] = True
+        # (backward passes of this step, how many of them found the gradients cleared by an earlier one's
+        # zero_grad): every pass but the first cleared is zero_grad() inside an accumulation loop.
+        stats.extra["backward_passes"] = (self._backwards_since_check, self._cleared_backwards)
         self.cleared_between_backwards = False
         self._backwards_since_check = 0
+        self._cleared_backwards = 0
         batch = SyncBatch()
         norm_slots = _queue_all_norms(batch, op, grads) if full else None
         if norm_slots is None:
@@ -566,6 +572,7 @@ class Engine:
         """Count one optimizer step (applied, skipped, or skipped by an AMP scaler)."""
         self.step_counts[opt_index] += 1
         self._backwards_since_check = 0  # the next zero_grad() is the usual one before a step
+        self._cleared_backwards = 0
         self.cleared_between_backwards = False
 
     # -- skipping an update ------------------------------------------------------------------------

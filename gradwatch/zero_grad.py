@@ -214,6 +214,8 @@ class ZeroGradTracker:
             "state": self._state(t, g),
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
+            # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
+            "last_backward_grad": g is not None and t.post_ref is not None and t.post_ref() is g,
         }
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)

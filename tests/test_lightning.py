@@ -488,3 +488,35 @@ def test_nan_loss_on_a_batch_that_makes_no_step_does_not_skip_the_next_healthy_u
     assert cb.engine.steps_skipped == 0
     (f,) = cb.findings
     assert (f.kind, f.severity, f.data["no_update"]) == ("nonfinite_loss", "warning", True)
+
+
+@pytest.mark.parametrize("bug", [True, False])
+def test_manual_accumulation_with_zero_grad_in_every_batch_is_flagged(pl_ns: Any, bug: bool) -> None:
+    # Manual optimization accumulating over 4 batches; the bug clears the gradients in every batch.
+    class Accumulating(pl_ns.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(8, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            if bug:
+                opt.zero_grad()
+            x, y = batch
+            self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y) / 4)
+            if batch_idx % 4 == 3:
+                opt.step()
+                if not bug:
+                    opt.zero_grad()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    from conftest import tiny_data
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=1).fit(Accumulating(), tiny_data())
+    found = [(f.kind, f.step, f.severity) for f in cb.findings]
+    assert found == ([("zero_grad_in_accumulation", 1, "warning")] if bug else [])

@@ -340,6 +340,84 @@ def test_intentional_accumulation_over_several_backward_calls_is_silent() -> Non
     assert kinds(gw) == []
 
 
+# The accumulation pattern of https://discuss.pytorch.org/t/pytorch-gradient-accumulation/55955 with
+# zero_grad() moved into the micro-batch loop: only the last micro-batch reaches each update.
+@pytest.mark.parametrize("where", ["before_backward", "after_each_micro_batch"])
+def test_zero_grad_inside_the_accumulation_loop_is_flagged(where: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(16)):
+            if where == "before_backward":
+                opt.zero_grad()
+            (model(x).pow(2).mean() / 4).backward()
+            if i % 4 == 3:
+                opt.step()
+            if where == "after_each_micro_batch":
+                opt.zero_grad()
+    found = [f for f in gw.findings if f.kind == "zero_grad_in_accumulation"]
+    assert [(f.step, f.severity) for f in found] == [(1, "warning")]
+    assert "last of its 4 backward passes" in found[0].message
+    assert "right after optimizer.step()" in found[0].message
+    assert kinds(gw) == [("zero_grad_in_accumulation", 1)]
+
+
+def test_two_cleared_backward_passes_per_step_are_silent() -> None:
+    # SAM's two passes, an adversarial example's pass before the training pass: zero_grad() in between.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(10):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.zero_grad()
+            model(x + 0.01).pow(2).mean().backward()
+            opt.step()
+    assert kinds(gw) == []
+
+
+def test_per_sample_gradients_assembled_by_hand_are_silent() -> None:
+    # DP-SGD written by hand: one backward per sample, each clipped and summed, then put into .grad.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(6):
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for row in x[:4]:
+                opt.zero_grad()
+                model(row[None]).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for t, p in zip(total, model.parameters()):
+                    t += p.grad
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / 4
+            opt.step()
+    assert kinds(gw) == []
+
+
+def test_a_one_off_run_of_cleared_backward_passes_between_steps_is_silent() -> None:
+    # An EWC-style Fisher estimate (one backward per sample, cleared in between) at one point of the run.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    fisher = [torch.zeros_like(p) for p in model.parameters()]
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(8)):
+            if i == 4:
+                for row in x[:5]:
+                    model.zero_grad()
+                    model(row[None]).pow(2).mean().backward()
+                    for f, p in zip(fisher, model.parameters()):
+                        f += p.grad.pow(2)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert kinds(gw) == []
+
+
 def test_lbfgs_closure_is_silent() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -1,7 +1,9 @@
-"""``zero_grad_missing`` and ``grads_cleared_before_step``: gradients not cleared, or cleared too early.
+"""``zero_grad_missing``, ``grads_cleared_before_step`` and ``zero_grad_in_accumulation``: gradients not
+cleared, cleared too early, or cleared inside an accumulation loop.
 
-Reads the facts :class:`gradwatch.zero_grad.ZeroGradTracker` puts into ``stats.extra``. Each kind is
-reported once per optimizer (the first step it happens); a persisting bug is not repeated every step.
+Reads the facts :class:`gradwatch.zero_grad.ZeroGradTracker` (and the engine's count of backward passes)
+put into ``stats.extra``. Each kind is reported once per optimizer (the first step it happens); a
+persisting bug is not repeated every step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         found.append(_missing(stats))
     if stats.extra.get("grads_cleared_before_step") and not history.reported.get(f"grads_cleared_before_step/{i}"):
         found.append(_cleared(stats))
+    if (
+        _cleared_in_loop(stats)
+        and history.memory.get(f"{_IN_LOOP}/{i}")
+        and not history.reported.get(f"{_IN_LOOP}/{i}")
+    ):
+        found.append(_in_loop(stats))
     return found
 
 
@@ -27,6 +35,30 @@ def remember(stats: StepStats, history: History) -> None:
     for kind in ("zero_grad_missing", "grads_cleared_before_step"):
         if stats.extra.get(kind):
             history.reported[f"{kind}/{i}"] = True
+    in_loop = _cleared_in_loop(stats)
+    if in_loop and history.memory.get(f"{_IN_LOOP}/{i}"):
+        history.reported[f"{_IN_LOOP}/{i}"] = True
+    history.memory[f"{_IN_LOOP}/{i}"] = in_loop
+
+
+_IN_LOOP = "zero_grad_in_accumulation"
+#: Backward passes per step, each after the first finding the gradients cleared, before it is reported.
+#: Two are common on purpose (SAM's two passes, an adversarial example's pass, Lightning stepping every
+#: other batch); the pattern must also repeat on the next checked step (per-sample Fisher or saliency
+#: passes between two steps happen once).
+IN_LOOP_MIN_PASSES = 3
+
+
+def _cleared_in_loop(stats: StepStats) -> bool:
+    passes = stats.extra.get("backward_passes")
+    facts = stats.extra.get("zero_grad") or {}
+    return (
+        isinstance(passes, tuple)
+        and passes[0] >= IN_LOOP_MIN_PASSES
+        and passes[1] == passes[0] - 1
+        and bool(facts.get("last_backward_grad"))  # not gradients the code assembled itself (DP-SGD by hand)
+        and bool(stats.names)
+    )
 
 
 def _missing(stats: StepStats) -> Finding:
@@ -100,4 +132,30 @@ def _cleared(stats: StepStats) -> Finding:
         ),
         params=params,
         data={"optimizer": i, "backward_passes": passes, "grads": what, "count": len(params)},
+    )
+
+
+def _in_loop(stats: StepStats) -> Finding:
+    i = stats.optimizer_index
+    n = int(stats.extra["backward_passes"][0])
+    facts = stats.extra.get("zero_grad") or {}
+    previous = facts.get("previous_step")
+    since = f"; the same happened at step {previous}" if isinstance(previous, int) else ""
+    return Finding(
+        kind=_IN_LOOP,
+        step=stats.step,
+        severity="warning",
+        message=(
+            f"optimizer {i}.step() at step {stats.step} applied the gradient of the last of its {n} backward passes "
+            f"only: before each of the other {n - 1}, zero_grad() cleared what the previous pass had "
+            f"accumulated{since}. zero_grad() is called inside the gradient-accumulation loop.\n"
+            f"Why it matters: accumulation does nothing: each update sees one micro-batch instead of {n} (and "
+            f"with the loss divided by {n} for accumulation, the update is also {n}x too small); {n - 1} of "
+            f"every {n} micro-batches are computed and thrown away.\n"
+            "Fix: call optimizer.zero_grad() once per accumulation window, right after optimizer.step(), not "
+            "in every micro-batch iteration. (Backward passes kept apart on purpose, e.g. per-sample "
+            "gradients, can ignore this.)"
+        ),
+        params=tuple(stats.names),
+        data={"optimizer": i, "backward_passes": n, "count": len(stats.names)},
     )
