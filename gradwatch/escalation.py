@@ -202,6 +202,7 @@ class Escalation:
         self._hooks: list[Any] = []
         self._window_hooks: list[Any] = []
         self._calls: list[_Call] = []
+        self._forwards = 0  # forward calls captured since the latest optimizer step (_calls keeps MAX_CALLS)
         self._batches: list[_Batch] = []
         self._culprit: Any = None
         self._mark = -1
@@ -252,6 +253,7 @@ class Escalation:
             return None  # this step is not checked: keep nothing
         calls = self._calls
         calls.append(_Call(args, kwargs, _autocast_state()))
+        self._forwards += 1
         if len(calls) > MAX_GRADS:
             calls[-MAX_GRADS - 1].fold()
         if len(calls) > MAX_CALLS:
@@ -305,6 +307,7 @@ class Escalation:
         for call in self._calls:
             call.release()
         self._calls.clear()
+        self._forwards = 0
         if self._live is not None:
             self._live.reset()
             self._live_used = False
@@ -392,6 +395,30 @@ class Escalation:
         except Exception as exc:  # noqa: BLE001
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
         return None
+
+    def before_sync(self, ctx: Any) -> None:
+        passes = ctx.stats.extra.get("backward_passes")
+        if isinstance(passes, tuple) and passes[0] >= 3 and self.active:  # only asked about then
+            ctx.stats.extra["step_inputs"] = self.step_inputs()
+
+    def step_inputs(self) -> tuple[int, bool, frozenset[int]]:
+        """The model inputs of this step so far: how many (forward calls; Lightning batches), whether an
+        input tensor requires grad (an adversarial example), and the batch sizes (leading dimensions)."""
+        if self.integration == "lightning":
+            sources = [b.batch for b in self._batches]
+            count = len(sources)
+        else:
+            sources = [(c.args, c.kwargs) for c in self._calls]
+            count = self._forwards
+        grad = False
+        sizes: set[int] = set()
+        for src in sources:
+            tensors = [t for t in tree_leaves(src) if isinstance(t, torch.Tensor)]
+            grad = grad or any(t.requires_grad for t in tensors)
+            first = next((t for t in tensors if t.dim() > 0), None)
+            if first is not None:
+                sizes.add(int(first.shape[0]))
+        return count, grad, frozenset(sizes)
 
     def after_step(self, stats: Any, decision: str) -> None:
         if stats.optimizer_index == len(self.engine.step_counts) - 1:

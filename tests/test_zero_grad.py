@@ -378,6 +378,63 @@ def test_two_cleared_backward_passes_per_step_are_silent() -> None:
     assert kinds(gw) == []
 
 
+def _pgd_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    # Adversarial training taking the input gradient with model.zero_grad(); loss.backward().
+    delta = torch.zeros_like(x, requires_grad=True)
+    for _ in range(3):
+        model.zero_grad()
+        model(x + delta).pow(2).mean().backward()
+        with torch.no_grad():
+            delta += 0.01 * delta.grad.sign()
+        delta.grad = None
+    opt.zero_grad()
+    model(x + delta.detach()).pow(2).mean().backward()
+
+
+def _per_term_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, write: str) -> None:
+    # One forward, one backward per loss term (each term's gradient logged, or PCGrad's projection).
+    out = model(x)
+    terms = [out.pow(2).mean(), out.abs().mean(), out.tanh().pow(2).mean()]
+    grads = []
+    for t in terms:
+        opt.zero_grad()
+        t.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    if write == "sum_backward":
+        opt.zero_grad()
+        sum(terms).backward()
+    else:
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.grad.copy_(sum(g[i] for g in grads) / len(grads))
+
+
+def _fisher_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    # Per-sample passes (an empirical Fisher estimate) before the batch's own, every step.
+    for k in range(3):
+        opt.zero_grad()
+        model(x[k : k + 1]).pow(2).mean().backward()
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("pattern", ["pgd", "per_term_logging", "pcgrad_copy", "fisher_every_step"])
+def test_several_cleared_backward_passes_that_are_not_micro_batches_are_silent(pattern: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x in batches(8):
+            if pattern == "pgd":
+                _pgd_step(model, opt, x)
+            elif pattern == "fisher_every_step":
+                _fisher_step(model, opt, x)
+            else:
+                _per_term_step(model, opt, x, "sum_backward" if pattern == "per_term_logging" else "copy")
+            opt.step()
+    assert kinds(gw) == []
+
+
 def test_per_sample_gradients_assembled_by_hand_are_silent() -> None:
     # DP-SGD written by hand: one backward per sample, each clipped and summed, then put into .grad.
     torch.manual_seed(0)

@@ -50,14 +50,25 @@ IN_LOOP_MIN_PASSES = 3
 
 
 def _cleared_in_loop(stats: StepStats) -> bool:
+    """Micro-batches whose gradients were each cleared before the next: as many forward calls (or
+    Lightning batches) as backward passes, all of one batch size, none with an input that requires grad.
+
+    Not: one forward with a backward per loss term (logging each term's gradient, PCGrad), the attack
+    iterations of adversarial training (the input requires grad), per-sample passes next to the batch's
+    own (Fisher estimates: other sizes), or gradients the code assembled itself (DP-SGD by hand).
+    """
     passes = stats.extra.get("backward_passes")
+    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] == passes[0] - 1):
+        return False
     facts = stats.extra.get("zero_grad") or {}
+    inputs = stats.extra.get("step_inputs")
     return (
-        isinstance(passes, tuple)
-        and passes[0] >= IN_LOOP_MIN_PASSES
-        and passes[1] == passes[0] - 1
-        and bool(facts.get("last_backward_grad"))  # not gradients the code assembled itself (DP-SGD by hand)
+        bool(facts.get("last_backward_grad"))
         and bool(stats.names)
+        and isinstance(inputs, tuple)
+        and inputs[0] >= passes[0]
+        and not inputs[1]
+        and len(inputs[2]) == 1
     )
 
 
