@@ -354,6 +354,14 @@ class Engine:
             first_check=self._first_check[opt_index],
         )
         self._first_check[opt_index] = False
+        if stats.first_check or changed:
+            try:
+                unregistered = self.index.unregistered()
+            except Exception as exc:  # noqa: BLE001 - a model with odd attributes must not stop the check
+                internal_warning("unregistered-parameter scan", exc, owner=self)
+                unregistered = []
+            if unregistered:
+                stats.extra["unregistered"] = [(n, how) for n, _, how in unregistered]
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
         if len(self.optimizers) > 1:

@@ -149,6 +149,49 @@ class ParamIndex:
                 names.append(name)
         return OptimizerParams(index, optimizer, params, names, modules, foreign)
 
+    def unregistered(self) -> list[tuple[str, torch.Tensor, str]]:
+        """Trainable tensors the model uses but does not register: ``(name, tensor, how)`` with ``how``
+        ``"tensor"`` (a leaf tensor with ``requires_grad=True`` kept as a plain attribute, not an
+        ``nn.Parameter``) or ``"container"`` (a parameter of a module kept in a Python list, tuple or dict
+        instead of ``nn.ModuleList``/``nn.ModuleDict``). Only those that hold a gradient (the forward uses
+        them) and that no watched optimizer holds. A scan of every module's attributes: first check only.
+        """
+        if self.model is None:
+            return []
+        known = set(self.param_name)
+        held = {id(p) for op in self.per_optimizer for p in op.params}
+        wrappers = _module_wrappers(self.model)
+        out: list[tuple[str, torch.Tensor, str]] = []
+        seen: set[int] = set()
+
+        def keep(name: str, t: torch.Tensor, how: str) -> None:
+            if id(t) in known or id(t) in held or id(t) in seen or t.grad is None:
+                return
+            seen.add(id(t))
+            out.append((name, t, how))
+
+        for mname, module in self.model.named_modules():
+            prefix = user_path(mname, wrappers)
+            prefix = f"{prefix}." if prefix else ""
+            for attr, value in vars(module).items():
+                if attr.startswith("__") or attr in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    if value.requires_grad and value.is_leaf and not isinstance(value, nn.Parameter):
+                        keep(f"{prefix}{attr}", value, "tensor")
+                    continue
+                if isinstance(value, (list, tuple)):
+                    items = [(f"[{i}]", v) for i, v in enumerate(value[:256])]
+                elif isinstance(value, dict):
+                    items = [(f"[{k!r}]", v) for k, v in list(value.items())[:256]]
+                else:
+                    continue
+                for key, sub in items:
+                    if isinstance(sub, nn.Module) and id(sub) not in self.module_name:
+                        for pname, p in sub.named_parameters():
+                            keep(f"{prefix}{attr}{key}.{pname}", p, "container")
+        return out
+
     def unheld_trainable_changed(self) -> bool:
         """Whether the number of trainable parameters outside every optimizer changed (cheap)."""
         if not self.unheld:

@@ -294,6 +294,45 @@ def test_head_swapped_after_the_optimizer_was_built_is_not_in_optimizer() -> Non
     ]
 
 
+class _ListBlocks(nn.Module):
+    """Blocks in a Python list and a scale that is a plain tensor: neither is registered with the model."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        blocks = [nn.Linear(8, 8), nn.Linear(8, 8)]
+        self.blocks = nn.ModuleList(blocks) if registered else blocks
+        self.head = nn.Linear(8, 1)
+        scale = torch.ones(1, requires_grad=True)
+        self.scale = nn.Parameter(scale) if registered else scale
+        self.teacher = [nn.Linear(4, 8).requires_grad_(False)]  # kept out of state_dict on purpose: frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.teacher[0](x)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(h) * self.scale
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_modules_in_a_python_list_and_plain_tensors_are_reported_as_never_updated(registered: bool) -> None:
+    torch.manual_seed(0)
+    model = _ListBlocks(registered)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.blocks[0].weight.detach().clone()
+    gw = run(model, opt, lambda step: model(torch.randn(4, 4)).pow(2).mean(), steps=4)
+    found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
+    if registered:
+        assert gw.findings == []
+        return
+    assert [(f.step, f.params) for f in found] == [
+        (0, ("blocks[0].weight", "blocks[0].bias", "blocks[1].weight", "blocks[1].bias", "scale"))
+    ]
+    assert "nn.ModuleList" in found[0].message and "nn.Parameter" in found[0].message
+    assert torch.equal(model.blocks[0].weight, before)  # what the finding says: never updated
+    assert [f.kind for f in gw.findings] == ["not_in_optimizer"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a second device (CPU + CUDA)")
 def test_parameters_on_several_devices() -> None:  # pragma: no cover - no GPU on CI
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1).cuda())

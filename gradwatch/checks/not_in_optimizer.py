@@ -40,6 +40,10 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 data={"modules": modules, "count": len(stats.not_in_optimizer)},
             )
         )
+    unregistered = stats.extra.get("unregistered") or []
+    names = tuple(n for n, _ in unregistered)
+    if names and not set(names) <= set(history.reported.get("unregistered", ())):
+        out.append(_unregistered(stats, unregistered))
     if stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
         # Parameters of the loss trained with the model (CenterLoss centers, a learned temperature) are
         # foreign but get gradients next to the model's own: not a mistake. Report the optimizer that holds
@@ -72,7 +76,39 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     return out
 
 
+def _unregistered(stats: StepStats, unregistered: list[tuple[str, str]]) -> Finding:
+    names = tuple(n for n, _ in unregistered)
+    containers = sorted({n.split("[", 1)[0] for n, how in unregistered if how == "container"})
+    tensors = [n for n, how in unregistered if how == "tensor"]
+    what: list[str] = []
+    fixes: list[str] = []
+    if containers:
+        what.append(f"modules kept in a plain Python list or dict ({', '.join(containers)})")
+        fixes.append("hold the modules in nn.ModuleList([...]) / nn.ModuleDict({...}) instead of a list or dict")
+    if tensors:
+        what.append(f"tensors with requires_grad=True that are not nn.Parameter ({', '.join(tensors)})")
+        fixes.append("wrap the tensors in nn.Parameter(...) when assigning them to the module")
+    return Finding(
+        kind="not_in_optimizer",
+        step=stats.step,
+        severity="warning",
+        message=(
+            f"{len(names)} tensor(s) the model trains through are not registered with it, so no optimizer "
+            f"updates them: {names_text(names)}; {' and '.join(what)}.\n"
+            "Why it matters: they get gradients at every step but never change: model.parameters() (and so "
+            "the optimizer), model.state_dict() (checkpoints), model.to(device) and DDP all skip them.\n"
+            f"Fix: {'; '.join(fixes)}, then build the optimizer from model.parameters()."
+        ),
+        params=names,
+        data={"unregistered": True, "count": len(names), "containers": containers, "tensors": tensors},
+    )
+
+
 def remember(stats: StepStats, history: History) -> None:
+    unregistered = stats.extra.get("unregistered")
+    if unregistered:
+        history.reported["unregistered"] = sorted({*history.reported.get("unregistered", ()),
+                                                   *(n for n, _ in unregistered)})
     if stats.first_check or stats.params_changed:
         history.reported["not_in_optimizer"] = stats.not_in_optimizer
         history.reported[f"foreign/{stats.optimizer_index}"] = stats.foreign
