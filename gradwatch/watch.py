@@ -91,6 +91,10 @@ class Watcher:
             self._handles.append(opt.register_step_post_hook(_eager(functools.partial(self._post_step, i))))
         # Any other optimizer's step: one that updates the watched model's parameters is reported (once).
         self._known: weakref.WeakSet[Any] = weakref.WeakSet([*given, *optimizers])
+        # Optimizers stepping the model unwatched: [the run's step when each first stepped, its steps since],
+        # and the furthest such step reached (an optimizer re-created each epoch is freed with its epoch).
+        self._unwatched: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+        self._unwatched_reach = 0
         self._in_watched_step = False
         if optimizers:
             # A process-wide hook: it holds the watcher weakly, and is removed when the watcher is closed or
@@ -176,9 +180,18 @@ class Watcher:
     def _any_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global step pre-hook: an optimizer gradwatch does not watch is about to update the model."""
         try:
-            if self._in_watched_step or optimizer in self._known:
-                return  # a watched step, or a wrapper's inner optimizer stepping inside it (Lookahead)
+            if self._in_watched_step:
+                return  # a wrapper's inner optimizer stepping inside a watched step (Lookahead)
+            seen = self._unwatched.get(optimizer)
+            if seen is not None:
+                seen[1] += 1
+                self._unwatched_reach = max(self._unwatched_reach, seen[0] + seen[1])
+                return
+            if optimizer in self._known:
+                return  # a watched optimizer
             self._known.add(optimizer)
+            # The run's step: an optimizer re-created each epoch takes over from the previous one's count.
+            step = max(self.engine.step_counts[0], self._unwatched_reach)
             owned = self.engine.index.param_name
             names = [
                 owned[id(p)]
@@ -187,7 +200,9 @@ class Watcher:
                 if id(p) in owned and p.requires_grad
             ]
             if names:
-                self.engine.add_finding(_unwatched_finding(optimizer, names, self.engine.step_counts[0]))
+                self._unwatched[optimizer] = [step, 1]
+                self._unwatched_reach = max(self._unwatched_reach, step + 1)
+                self.engine.add_finding(_unwatched_finding(optimizer, names, step))
         except Exception as exc:  # noqa: BLE001 - never break the user's step
             internal_warning("unwatched optimizer check", exc, owner=self.engine)
 

@@ -183,6 +183,20 @@ def test_optimizer_recreated_mid_run_is_reported_once_at_its_first_step() -> Non
     assert "gradwatch.watch(model" in found[0].message
 
 
+def test_optimizer_recreated_every_epoch_is_reported_at_the_run_step_it_takes_over() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for epoch in range(4):
+            if epoch:
+                opt = torch.optim.SGD(model.parameters(), lr=0.05 / (epoch + 1))
+            for x, y in data(5):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    assert [f.step for f in gw.findings if f.kind == "unwatched_optimizer"] == [5, 10, 15]
+
+
 def test_optimizer_of_another_model_is_not_reported_as_unwatched() -> None:
     model, other = mlp(), nn.Linear(8, 1)
     opt, opt_other = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(other.parameters(), lr=0.05)
