@@ -364,6 +364,8 @@ class Engine:
                 stats.extra["unregistered"] = [(n, how) for n, _, how in unregistered]
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
+        if none:
+            stats.extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads
         if len(self.optimizers) > 1:
             stats.extra["several_optimizers"] = True
         if self.cleared_between_backwards:

@@ -124,6 +124,7 @@ class ParamIndex:
         # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
         # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
         self._alive = [p for _, p in self.model_params]
+        self._members: dict[str, tuple[str, str]] | None = None
 
     def _optimizer_params(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerParams:
         params: list[torch.Tensor] = []
@@ -148,6 +149,26 @@ class ParamIndex:
                     modules.append(self.param_module[id(p)])
                 names.append(name)
         return OptimizerParams(index, optimizer, params, names, modules, foreign)
+
+    def member_of(self, name: str) -> tuple[str, str] | None:
+        """``(container, key)`` when parameter ``name`` lives in an element of an ``nn.ModuleList`` or
+        ``nn.ModuleDict`` (experts, LayerDrop layers, per-task heads), innermost container first; else None.
+        Built on first use (a walk of the model's modules)."""
+        if self._members is None:
+            members: dict[str, tuple[str, str]] = {}
+            if self.model is not None:
+                wrappers = _module_wrappers(self.model)
+                for cname, container in self.model.named_modules():
+                    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                        continue
+                    cpath = user_path(cname, wrappers)
+                    for key, child in container.named_children():
+                        for p in child.parameters():
+                            qual = self.param_name.get(id(p))
+                            if qual is not None:
+                                members[qual] = (cpath, key)  # later (inner) containers overwrite outer ones
+            self._members = members
+        return self._members.get(name)
 
     def unregistered(self) -> list[tuple[str, torch.Tensor, str]]:
         """Trainable tensors the model uses but does not register: ``(name, tensor, how)`` with ``how``

@@ -1347,9 +1347,23 @@ def test_mixture_of_experts_with_experts_idle_on_some_batches_is_silent() -> Non
                 x = x[[0] * 6]  # ... but one expert only on the first batch
             model(x).pow(2).mean().backward()
             opt.step()
+    # Experts idle on the first batch and on later ones: used on some steps, never reported.
+    assert of(gw.findings, "none_grad") == [], show(gw.findings)
+
+
+def test_mixture_of_experts_with_an_expert_never_routed_to_is_reported_after_its_grace() -> None:
+    model = SwitchMoE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with torch.no_grad():
+        model.router.bias[3] = -1e4  # expert 3 never wins the routing: dead from the start
+    with watch(model, opt) as gw:
+        for x in batches(16, shape=(6, 8)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
     unused = of(gw.findings, "none_grad")
-    assert [f.step for f in unused] == [0], show(gw.findings)  # experts idle from the start: named once
-    assert len(unused[0].params) == 6  # 3 experts x (weight, bias); later idle batches are not reported
+    assert [(f.step, f.params) for f in unused] == [(10, ("experts.3.weight", "experts.3.bias"))], show(gw.findings)
+    assert "since step 0" in unused[0].message
 
 
 # https://github.com/pytorch/pytorch/issues/4534 (BatchNorm statistics must survive gradwatch's replay)

@@ -20,17 +20,51 @@ def _never(stats: StepStats, history: History) -> frozenset[str]:
     return previous & now
 
 
+#: Checked steps (times ``every``) a parameter of a ModuleList/ModuleDict member may go without a gradient
+#: while other members get theirs, before it is reported: experts without tokens, dropped layers and heads
+#: of tasks not in the batch are used on later steps.
+MEMBER_GRACE = 10
+
+
+def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The parameters to report at this step, and the members of containers waiting for their grace."""
+    i = stats.optimizer_index
+    seen = history.reported.get(f"none_grad/{i}", frozenset())
+    never = _never(stats, history)
+    fresh = [n for n in stats.none_grad if n in never and n not in seen]
+    waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{i}", {}))
+    member_of = stats.extra.get("member_of")
+    if not fresh or not callable(member_of):
+        return tuple(fresh), {}
+    # Members of a ModuleList/ModuleDict whose siblings got gradients this step: used on some steps only?
+    busy = {m for m in map(member_of, stats.names) if m is not None}
+    busy_containers: dict[str, set[str]] = {}
+    for container, key in busy:
+        busy_containers.setdefault(container, set()).add(key)
+    now: list[str] = []
+    grace = MEMBER_GRACE * max(1, config.every)
+    for n in fresh:
+        member = member_of(n)
+        if member is not None and busy_containers.get(member[0], set()) - {member[1]}:
+            first = waiting.setdefault(n, stats.step)
+            if stats.step - first < grace:
+                continue
+        now.append(n)
+    return tuple(now), {n: s for n, s in waiting.items() if n in never and n not in now}
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     # With no gradient at all, ``no_grads`` speaks instead.
     if not stats.none_grad or not stats.names:
         return []
     # Report parameters that never had a gradient, once. One that had gradients before and misses one now
     # is used on some steps only (mixture-of-experts routing, LayerDrop, one head per task): not a bug.
-    seen = history.reported.get(f"none_grad/{stats.optimizer_index}", frozenset())
-    never = _never(stats, history)
-    fresh = tuple(n for n in stats.none_grad if n in never and n not in seen)
+    fresh, waiting = _report_now(stats, history, config)
+    stats.extra["none_grad_report"] = (fresh, waiting)
     if not fresh:
         return []
+    waited = history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {})
+    since = min((waited[n] for n in fresh if n in waited), default=None)
     modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in fresh})
     cleared = bool(stats.extra.get("cleared_between_backwards"))
     cause = (
@@ -41,6 +75,11 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         if cleared
         else ""
     )
+    when = (
+        f"at any checked step since step {since} (while other members of their ModuleList/ModuleDict did)"
+        if since is not None
+        else f"at step {stats.step}"
+    )
     return [
         Finding(
             kind="none_grad",
@@ -48,12 +87,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             severity="warning",
             message=(
                 f"{len(fresh)} trainable parameter(s) in optimizer {stats.optimizer_index} got no "
-                f"gradient at step {stats.step}: {names_text(fresh)}.\n"
+                f"gradient {when}: {names_text(fresh)}.\n"
                 "Why it matters: the optimizer never updates them (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
                 + cause
                 + "(Parameters that get a gradient on some steps only, as with mixture-of-experts routing, "
-                "LayerDrop or one head per task, are not reported.)\n"
+                f"LayerDrop or one head per task, are not reported; members of a ModuleList/ModuleDict get "
+                f"{MEMBER_GRACE} checked steps.)\n"
                 "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
                 "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
                 "or leave them out of the optimizer."
@@ -72,17 +112,26 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    """Record every parameter reported so far, so each is reported once, and which parameters never had a
-    gradient (called by the engine; O(1) on a step where every parameter has one)."""
-    never_key = f"none_grad_never/{stats.optimizer_index}"
+    """Record every parameter reported so far, so each is reported once, which parameters never had a
+    gradient, and the container members still in their grace (called by the engine; O(1) on a step where
+    every parameter has one)."""
+    i = stats.optimizer_index
+    never_key = f"none_grad_never/{i}"
     if not stats.none_grad:
         if stats.names and history.reported.get(never_key) is not _EMPTY:
             history.reported[never_key] = _EMPTY  # every parameter has had a gradient now
+            history.reported.pop(f"none_grad_waiting/{i}", None)
         return
     if not stats.names:
         return
     history.reported[never_key] = _never(stats, history)
-    key = f"none_grad/{stats.optimizer_index}"
+    report = stats.extra.get("none_grad_report")
+    reported, waiting = report if isinstance(report, tuple) else (tuple(stats.none_grad), {})
+    key = f"none_grad/{i}"
     seen = history.reported.get(key, frozenset())
-    if any(n not in seen for n in stats.none_grad):
-        history.reported[key] = frozenset(seen) | frozenset(stats.none_grad)
+    # Parameters that had a gradient before are never reported: mark them seen with the reported ones.
+    settled = [n for n in stats.none_grad if n not in waiting]
+    if any(n not in seen for n in settled) or reported:
+        history.reported[key] = frozenset(seen) | frozenset(settled) | frozenset(reported)
+    if waiting or f"none_grad_waiting/{i}" in history.reported:
+        history.reported[f"none_grad_waiting/{i}"] = waiting
