@@ -135,7 +135,8 @@ def _cleared(stats: StepStats) -> Finding:
         message=(
             f"optimizer {i}.step() at step {stats.step} found every gradient {what}, although "
             f"{passes} backward pass{'es' if passes != 1 else ''} produced gradients since the previous step: "
-            "zero_grad() was called between loss.backward() and optimizer.step().\n"
+            "zero_grad() was called between loss.backward() and optimizer.step(), or optimizer.step() comes "
+            "before loss.backward() in the loop (zero_grad(); step(); backward()).\n"
             "Why it matters: the step applies no gradient (only weight decay and momentum move the weights); "
             "the model does not learn from the data.\n"
             "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
