@@ -45,6 +45,12 @@ from gradwatch.stats import StepStats, layer_norms, total_norm
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
 
+#: Seconds the first checked step waits for every rank of the group to have a watcher (each announces
+#: itself in the process group's key-value store). A rank without one (a watcher on rank 0 only) would
+#: leave gradwatch's all_reduce to pair with one of DDP's: the agreement is then turned off.
+PEER_WAIT = 10.0
+_LIVE_KEY = "gradwatch/live/{}"
+
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world_size)`` of this process; ``(0, 1)`` when ``torch.distributed`` is not in use."""
@@ -101,12 +107,16 @@ class RankAgreement:
         self._ddp_spotter: Any = None
         self._ddp_cls: Any = None
         self._spotted: Any = None  # the DDP wrapper whose forward ran the watched model (see _spot_ddp)
+        self._store: Any = None  # the process group's key-value store, where this watcher announced itself
+        self._peers_checked = False
+        self._solo = False  # some rank has no watcher: no collective of gradwatch's own
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
         if dist is not None:
             self.rank = dist.get_rank(self.group) if self.group is not None else dist.get_rank()
             self.world = dist.get_world_size(self.group) if self.group is not None else dist.get_world_size()
+            self._announce(dist)
         self._engine = engine
         engine.finding_tags["rank"] = self.rank
         model = engine.model
@@ -168,9 +178,66 @@ class RankAgreement:
                     break
         return self._uneven
 
+    # -- does every rank watch? ---------------------------------------------------------------------
+    def _announce(self, dist: Any) -> None:
+        """Count this watcher in the store (one key per global rank, +1 now, -1 at close)."""
+        try:
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+            store.add(_LIVE_KEY.format(dist.get_rank()), 1)
+            self._store = store
+        except Exception:  # noqa: BLE001 - no store (a custom backend): keep the agreement on, as before
+            self._store = None
+
+    def _missing_peers(self, dist: Any) -> list[int]:
+        """Ranks of the group with no live watcher, waiting up to PEER_WAIT seconds for late ones."""
+        import time
+
+        store = self._store
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
+        deadline = time.monotonic() + PEER_WAIT
+        missing = list(ranks)
+        while True:
+            missing = [r for r in missing if store.add(_LIVE_KEY.format(r), 0) <= 0]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.05)
+
+    def _peers_watch(self, dist: Any) -> bool:
+        if self._peers_checked:
+            return not self._solo
+        self._peers_checked = True
+        if self._store is None:
+            return True
+        try:
+            missing = self._missing_peers(dist)
+        except Exception:  # noqa: BLE001
+            return True
+        if missing:
+            self._solo = True
+            import warnings
+
+            warnings.warn(
+                f"gradwatch: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                f"{'have' if len(missing) > 1 else 'has'} no gradwatch watcher, so this rank decides alone "
+                "(as with rank_agreement=False): gradwatch's per-step all_reduce would otherwise pair with one "
+                "of DDP's on the other ranks. Watch on every rank (report on rank 0 only is automatic) to "
+                "keep every rank's skip decision the same.",
+                stacklevel=2,
+            )
+        return not self._solo
+
     def close(self) -> None:
         self._remove_spotter()
         self._joinables = []
+        store, self._store = self._store, None
+        dist = _dist()
+        if store is not None and dist is not None:
+            try:
+                store.add(_LIVE_KEY.format(dist.get_rank()), -1)
+            except Exception:  # noqa: BLE001 - the process group may be gone already
+                pass
 
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
@@ -178,6 +245,8 @@ class RankAgreement:
         dist = _dist()
         if dist is None or self.world < 2:
             return
+        if not self._peers_watch(dist):
+            return  # a rank without a watcher: no collective (see _peers_watch)
         if self._in_join():
             # Uneven inputs: a rank that has run out of batches makes no more optimizer steps, and the join
             # context shadows only DDP's own collectives, so an all_reduce of gradwatch's would leave the

@@ -157,6 +157,36 @@ def ddp_nan(
     }
 
 
+def rank0_only(rank: int) -> dict[str, Any]:
+    """DDP watched on rank 0 only (a common "log on rank 0" pattern), a NaN in rank 1's batch at NAN_STEP.
+    Rank 1 has no watcher: gradwatch's all_reduce on rank 0 would pair with one of DDP's on rank 1."""
+    import warnings
+
+    import gradwatch.distributed
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gradwatch.distributed.PEER_WAIT = 1.0
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, console=text_console()) if rank == 0 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            x = batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if gw is not None:
+        gw.close()
+    return {
+        "findings": [f.to_dict() for f in gw.findings] if gw is not None else [],
+        "warnings": [str(w.message) for w in caught if "gradwatch" in str(w.message)],
+        "params": flat_params(model.module),
+    }
+
+
 def join_uneven(rank: int, watched: str | None, nan: bool = False) -> dict[str, Any]:
     """DDP with uneven inputs under ``model.join()``: rank 0 has 5 batches, rank 1 has 2, then (without
     ``nan``) 3 more even steps after the join block, when the ranks' step counters differ. ``watched``:
@@ -251,6 +281,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 
 UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
+    "rank0_only": rank0_only,
     "join_unwatched": lambda r: join_uneven(r, None),
     "join_ddp": lambda r: join_uneven(r, "ddp"),
     "join_inner": lambda r: join_uneven(r, "inner"),

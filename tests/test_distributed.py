@@ -200,7 +200,7 @@ UNEVEN_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 @pytest.fixture(scope="module")
 def uneven_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist_uneven"))
-    codes, logs = launch(tmp, "join_unwatched,join_ddp,join_inner,join_nan", timeout=UNEVEN_TIMEOUT)
+    codes, logs = launch(tmp, "join_unwatched,join_ddp,join_inner,join_nan,rank0_only", timeout=UNEVEN_TIMEOUT)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {UNEVEN_TIMEOUT}s): {codes}\n" + "\n".join(
         logs
     )
@@ -217,6 +217,16 @@ def test_ddp_join_uneven_inputs_finish_like_an_unwatched_run(uneven_runs: list[d
     assert (r0["checked"], r1["checked"]) == (4, 3)  # every=2 on each rank's own step counter
     assert r0["params"] == plain[0]["params"] and r1["params"] == plain[1]["params"]
     assert r0["params"] == r1["params"]
+
+
+def test_a_watcher_on_rank_zero_only_decides_alone_instead_of_pairing_with_ddps_all_reduce(
+    uneven_runs: list[dict[str, Any]],
+) -> None:
+    r0, r1 = scenario(uneven_runs, "rank0_only")
+    assert ("nonfinite_grad", 3) in kinds(r0)  # DDP averaged rank 1's NaN into rank 0's gradients: skipped
+    assert all(math.isfinite(v) for v in r0["params"])
+    assert len(r0["warnings"]) == 1 and "rank 1 has no gradwatch watcher" in r0["warnings"][0]
+    assert r1["findings"] == [] and r1["warnings"] == []
 
 
 def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: list[dict[str, Any]]) -> None:
