@@ -157,6 +157,16 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     return grad.sum()
 
 
+def _input_counts(t: torch.Tensor) -> torch.Tensor:
+    """[NaN, Inf, +Inf, finite non-zero] element counts of an input tensor (on the CPU)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    finite = torch.isfinite(t)
+    return torch.stack(
+        [torch.isnan(t).sum(), torch.isinf(t).sum(), torch.isposinf(t).sum(), (finite & (t != 0)).sum()]
+    ).cpu()
+
+
 class _Batch:
     """A Lightning batch, replayed through ``training_step``."""
 
@@ -557,9 +567,15 @@ class Escalation:
         if not named:
             return []
         with torch.no_grad():
-            counts = [torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).cpu() for _n, t in named]
+            counts = [_input_counts(t) for _n, t in named]
         rows = torch.stack(counts).tolist()
-        return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(named, rows) if c[0] or c[1]]
+        # An additive attention mask (0 where attended, -inf where masked: generate_square_subsequent_mask,
+        # a padding mask made float) holds -inf by design: not bad data.
+        return [
+            (n, int(c[0]), int(c[1]))
+            for (n, _t), c in zip(named, rows)
+            if (c[0] or c[1]) and not (c[0] == 0 and c[2] == 0 and c[3] == 0)
+        ]
 
     def _poisoned(self, *, buffers: bool) -> list[str]:
         """Names of parameters (or buffers) that hold NaN/Inf themselves (one sync, incident path only)."""

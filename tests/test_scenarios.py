@@ -1209,6 +1209,44 @@ def test_nan_in_the_dataset_of_an_mlp_is_blamed_on_the_input() -> None:
     assert not of(gw.findings, "nan_origin"), show(gw.findings)
 
 
+class MaskedLM(nn.Module):
+    """A causal Transformer encoder that takes its float attention mask as a forward argument (0 / -inf,
+    from nn.Transformer.generate_square_subsequent_mask), pooled with a norm: sqrt(0) on an all-zero row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.pool = nn.Identity()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, zero: bool = False) -> torch.Tensor:
+        h = self.encoder(self.emb(x), mask=mask, is_causal=True)
+        d = self.pool(h).pow(2).sum(-1) * (0.0 if zero else 1.0)
+        return torch.sqrt(d).mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("nan", [True, False])
+def test_a_float_attention_mask_given_to_forward_is_not_blamed_as_bad_data(nan: bool) -> None:
+    model = MaskedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)  # -inf above the diagonal, by design
+    g = torch.Generator().manual_seed(0)
+    with watch(model, opt) as gw:
+        for step in range(4):
+            out = model(torch.randn(4, 6, 8, generator=g), mask, zero=nan and step == 2)
+            opt.zero_grad()
+            F.mse_loss(out, torch.ones(4, 1)).backward()
+            opt.step()
+    assert not of(gw.findings, "nonfinite_input"), show(gw.findings)
+    if not nan:
+        assert gw.findings == [], show(gw.findings)
+        return
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (2, "SqrtBackward0"), show(gw.findings)
+
+
 # https://github.com/facebookresearch/detectron2/issues/1120 (a branch whose loss is only sometimes added)
 def test_loss_averaged_over_an_empty_positive_mask_is_attributed_to_the_loss() -> None:
     model = Detector()
