@@ -435,8 +435,11 @@ def _param_finding(
             "backward of a loss built from it, e.g. stepping the discriminator before the generator's "
             "loss.backward() in a GAN, or two losses sharing the model with a step in between. Call "
             "backward() for every loss built from a forward before stepping, or redo the forward after "
-            "step(). Other in-place updates of weights (`w.data.mul_()`, `with torch.no_grad(): w += ...`, "
-            "weight clipping) between forward and backward do the same."
+            "step(). An RNN hidden state carried into the next step without .detach() (then "
+            "backward(retain_graph=True) to get past 'backward through the graph a second time') does it too: "
+            "detach the state each step (`h = h.detach()`) and drop retain_graph. Other in-place updates of "
+            "weights (`w.data.mul_()`, `with torch.no_grad(): w += ...`, weight clipping) between forward "
+            "and backward do the same."
         )
     else:
         source = _with_line(writer.source)
@@ -789,7 +792,9 @@ def _backward_twice(ctx: _Context) -> Finding:
         else:
             cause = (
                 "a tensor produced at an earlier step is fed into this step's forward with its graph attached — "
-                "typically an RNN hidden state (or a cached/memory tensor) carried across steps without .detach()"
+                "typically an RNN hidden state (or a cached/memory tensor) carried across steps without .detach(), "
+                "or a tensor computed once from parameters before the loop (`w = F.normalize(self.protos)` "
+                "outside the loop)"
             )
         where = (
             f" It enters this step's graph at {consumer.name()}"
@@ -808,7 +813,8 @@ def _backward_twice(ctx: _Context) -> Finding:
             fix = (
                 "Fix: cut the graph between steps: `hidden = hidden.detach()` (for an LSTM "
                 "`h, c = h.detach(), c.detach()`) before feeding it to the next step (truncated "
-                "backpropagation through time)."
+                "backpropagation through time). A tensor derived from parameters that must keep training "
+                "(computed once before the loop) must not be detached: recompute it inside the loop, every step."
             )
         fix += (
             " retain_graph=True on the earlier backward() would silence the error, but it keeps every earlier "

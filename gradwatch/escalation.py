@@ -1240,11 +1240,20 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
     (
         ("NllLoss", "NllLoss2d", "nll_loss_forward", "nll_loss2d_forward", "CrossEntropyLoss"),
         "every target of this batch is ignore_index (or has weight 0), so the mean is 0/0: skip such "
-        "batches, or use reduction='sum' and divide by the number of counted targets clamped to at least 1.",
+        "batches, or use reduction='sum' and divide by the number of counted targets clamped to at least 1. "
+        "If you pass class weights (weight=), check them for NaN/Inf: 1/count with a class absent from the "
+        "counts is Inf (clamp the counts: 1 / counts.clamp_min(1)).",
     ),
     (
         ("Tan", "Atan2"),
         "the op is singular here: keep its input away from the singular points (clamp, add an epsilon).",
+    ),
+    (
+        ("NativeLayerNorm", "NativeGroupNorm", "NativeBatchNorm", "CudnnBatchNorm", "RmsNorm", "FusedRmsNorm",
+         "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm"),
+        "normalizing a constant row or channel (zero variance) divides by sqrt(var + eps): with eps=0 that is "
+        "0/0. Keep eps > 0 (nn.LayerNorm/nn.GroupNorm/nn.BatchNorm default to 1e-5), and check for constant "
+        "inputs (an all-padding sample, a dead channel).",
     ),
 ]
 _GENERIC_FIX = (
@@ -1426,6 +1435,14 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     if result.surrogate and origin.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
     fix = fix_for(origin.op, origin.forward_op)
+    base = re.sub(r"Backward\d*$", "", origin.op or "")
+    if origin.phase == "forward" and base in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
+        fix = (
+            "Inf - Inf is NaN: a row where every value is -inf (a fully masked row of a hand-written masked "
+            "softmax, `scores - scores.max(-1, keepdim=True).values`): mask with torch.finfo(x.dtype).min "
+            "instead of -inf, keep one position unmasked, or use torch.softmax / "
+            "F.scaled_dot_product_attention, which handle the max themselves."
+        )
     if origin.explicit_operand:
         fix = (
             "the float('inf')/float('nan') written in this line reaches the loss: if it is a mask or "

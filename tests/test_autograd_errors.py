@@ -275,6 +275,52 @@ def test_backward_twice_from_a_carried_hidden_state() -> None:
     assert "retain_graph" in f.message
 
 
+def test_backward_twice_from_a_tensor_computed_from_parameters_before_the_loop_says_recompute() -> None:
+    # Normalized prototypes computed once before the loop: detaching them (the hidden-state fix) would stop
+    # the prototypes from training.
+    class Protos(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(4, 8)
+            self.protos = nn.Parameter(torch.randn(3, 8))
+
+        def forward(self, x: torch.Tensor, protos_n: torch.Tensor) -> torch.Tensor:
+            return self.enc(x) @ protos_n.t()
+
+    torch.manual_seed(0)
+    model = Protos()
+    protos_n = nn.functional.normalize(model.protos, dim=-1)
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(x, protos_n).pow(2).mean().backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        run(model, body)
+    f = only(run.gw, "backward_twice")  # type: ignore[attr-defined]
+    assert f.step == 1
+    assert "recompute it inside the loop" in f.message
+
+
+def test_retain_graph_over_a_carried_hidden_state_names_the_state_as_the_cause() -> None:
+    torch.manual_seed(0)
+    model = Recurrent()
+    state = {"h": torch.zeros(4, 6)}
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        state["h"] = model.rnn(x, state["h"])  # not detached; retain_graph "fixes" backward_twice
+        model.head(state["h"]).pow(2).mean().backward(retain_graph=True)
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(model, body)
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.step == 2 and "rnn.weight_hh" in f.message
+    assert "h = h.detach()" in f.message and "retain_graph" in f.message
+
+
 def test_backward_twice_from_a_running_total_of_losses() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -1247,6 +1247,67 @@ def test_a_float_attention_mask_given_to_forward_is_not_blamed_as_bad_data(nan: 
     assert origin and (origin[0].step, origin[0].op) == (2, "SqrtBackward0"), show(gw.findings)
 
 
+class NormBlock(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8, eps=0.0) if kind == "layer" else nn.GroupNorm(2, 8, eps=0.0)
+        self.constant_row = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.constant_row:
+            h = h * torch.tensor([0.0, 1, 1, 1])[:, None]  # an all-padding sample: a constant row
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("kind", ["layer", "group"])
+def test_normalization_with_eps_zero_on_a_constant_row_says_keep_eps(kind: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(NormBlock(kind), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(3, shape=(4, 8))):
+            model[0].constant_row = step == 1
+            plain_step(model, opt, x)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].module) == (1, "0.norm"), show(gw.findings)
+    assert "Keep eps > 0" in origin[0].message
+
+
+class HandSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        scores = (q @ k.transpose(1, 2)).masked_fill(pad[:, None, :], float("-inf"))
+        scores = scores - scores.max(-1, keepdim=True).values  # hand-written "stable" softmax
+        w = scores.exp() / scores.exp().sum(-1, keepdim=True)
+        return self.head((w @ x).mean(1))
+
+
+def test_hand_written_masked_softmax_over_a_fully_masked_row_says_mask_with_finfo_min() -> None:
+    torch.manual_seed(0)
+    model = HandSoftmax()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with watch(model, opt) as gw:
+        for step in range(3):
+            pad = torch.zeros(4, 5, dtype=torch.bool)
+            pad[:, 4] = True
+            if step == 1:
+                pad[2] = True  # an empty sequence in the batch
+            opt.zero_grad()
+            model(torch.randn(4, 5, 8, generator=g), pad).pow(2).mean().backward()
+            opt.step()
+    origin = of(gw.findings, "nan_origin")
+    assert origin and (origin[0].step, origin[0].op) == (1, "SubBackward0"), show(gw.findings)
+    assert "finfo(x.dtype).min" in origin[0].message and "Inf - Inf" in origin[0].message
+
+
 # https://github.com/facebookresearch/detectron2/issues/1120 (a branch whose loss is only sometimes added)
 def test_loss_averaged_over_an_empty_positive_mask_is_attributed_to_the_loss() -> None:
     model = Detector()
