@@ -483,7 +483,9 @@ class Engine:
 
     def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
         c = self.config
-        blocked = stats.is_nonfinite or bool(stats.extra.get("any_rank_nonfinite"))
+        blocked = (
+            stats.is_nonfinite or bool(stats.extra.get("any_rank_nonfinite")) or bool(stats.extra.get("update_nonfinite"))
+        )
         decision: Decision = "ok"
         error: GradWatchError | None = None
         if blocked and c.on_nonfinite == "raise":

@@ -16,6 +16,9 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker())
+    from gradwatch.half_update import HalfUpdateGuard
+
+    exts.append(HalfUpdateGuard())  # float16 parameters with an eps that rounds to 0 only
     from gradwatch.tracing import ForwardTracer
 
     exts.append(ForwardTracer(integration=integration))  # module names for autograd errors

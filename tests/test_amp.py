@@ -298,3 +298,46 @@ def test_lightning_bf16_mixed_nan_is_skipped_as_usual() -> None:
     trainer.fit(tiny_module(pl, nan_at=2))
     assert {(f.kind, f.step) for f in cb.findings} == {("nonfinite_loss", 2), ("nonfinite_grad", 2)}
     assert cb.engine.steps_skipped == 1
+
+
+# https://discuss.pytorch.org/t/adam-half-precision-nans/1765 (model.half() with Adam: eps=1e-8 is 0 in fp16)
+def _half_run(make_opt: Any, watched: bool, steps: int = 4) -> tuple[nn.Module, list[gradwatch.Finding]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    opt = make_opt(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    gw = gradwatch.watch(model, opt, console=False) if watched else None
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g).half()
+        loss = (model(x).float() - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if gw is None:
+        return model, []
+    gw.close()
+    return model, gw.findings
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda p: torch.optim.Adam(p, lr=1e-3), lambda p: torch.optim.AdamW(p, lr=1e-3),
+     lambda p: torch.optim.RMSprop(p, lr=1e-3, eps=1e-8)],
+    ids=["Adam", "AdamW", "RMSprop"],
+)
+def test_float16_parameters_with_an_eps_that_rounds_to_zero_are_not_updated_with_nan(make_opt: Any) -> None:
+    bare, _ = _half_run(make_opt, watched=False)
+    assert not all(torch.isfinite(p).all() for p in bare.parameters())  # what happens unwatched
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half().parameters()]
+    model, findings = _half_run(make_opt, watched=True)
+    assert [(f.kind, f.step) for f in findings] == [("nonfinite_update", 0)]
+    assert "eps=1e-08 rounds to 0 in float16" in findings[0].message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # every such step skipped
+
+
+def test_float16_parameters_with_an_eps_float16_holds_are_updated_silently() -> None:
+    bare, _ = _half_run(lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4), watched=False)
+    model, findings = _half_run(lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4), watched=True)
+    assert findings == []
+    assert all(torch.equal(a, b) for a, b in zip(bare.parameters(), model.parameters()))

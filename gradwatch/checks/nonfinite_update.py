@@ -1,0 +1,52 @@
+"""``nonfinite_update``: finite gradients, but the optimizer's update would be NaN/Inf (float16 state).
+
+Reads ``stats.extra["update_nonfinite"]`` from :class:`gradwatch.half_update.HalfUpdateGuard`. Reported
+once per optimizer; every such step is skipped under ``on_nonfinite="skip"`` (the engine's policy).
+"""
+
+from __future__ import annotations
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    if not stats.extra.get("update_nonfinite") or stats.is_nonfinite:
+        return []
+    i = stats.optimizer_index
+    if history.reported.get(f"nonfinite_update/{i}"):
+        return []
+    eps = stats.extra.get("update_nonfinite_eps") or []
+    eps_text = ", ".join(f"{e:g}" for e in eps) or "its eps"
+    action = {
+        "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged (and will skip "
+        "every such step; the run stops after max_skips of them).",
+        "raise": "gradwatch raised instead of applying it.",
+        "warn": "It was applied (on_nonfinite='warn'): the weights are now NaN/Inf.",
+    }[config.on_nonfinite]
+    return [
+        Finding(
+            kind="nonfinite_update",
+            step=stats.step,
+            severity="error",
+            message=(
+                f"optimizer {i}'s update at step {stats.step} would be NaN/Inf although the loss and every "
+                f"gradient are finite: its parameters are float16 and eps={eps_text} rounds to 0 in float16, so "
+                "wherever the second moment (Adam's exp_avg_sq, RMSprop's square_avg) is 0 (a zero gradient "
+                "element, or one whose square underflows float16) the step divides by 0. " + action + "\n"
+                "Why it matters: one such update turns weights into NaN/Inf for good; every later step is then "
+                "non-finite.\n"
+                "Fix: keep float32 parameters and use mixed precision (torch.autocast, or Lightning's "
+                "precision='16-mixed'/'bf16-mixed') instead of model.half() / precision='16-true'; or use "
+                "bfloat16; or give the optimizer an eps that float16 holds (eps=1e-4)."
+            ),
+            data={"optimizer": i, "eps": eps},
+        )
+    ]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    if stats.extra.get("update_nonfinite"):
+        history.reported[f"nonfinite_update/{stats.optimizer_index}"] = True
