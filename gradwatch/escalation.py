@@ -1002,13 +1002,15 @@ def _anomaly_traceback(caught: list[warnings.WarningMessage]) -> str | None:
 
 # -- Lightning replay guards ------------------------------------------------------------------------
 class _InertOptimizer:
-    """Stands in for a LightningOptimizer during a replay: ``step``/``zero_grad`` do nothing."""
+    """Stands in for a LightningOptimizer during a replay: ``step``/``zero_grad`` do nothing, except that
+    ``step(closure)`` evaluates the closure once (manual optimization builds its loss there; its
+    ``manual_backward`` and ``zero_grad`` are inert during the replay too)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> None:
-        return None
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        return closure() if callable(closure) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None

@@ -186,3 +186,47 @@ def test_under_accumulation_only_the_micro_batch_with_a_nonfinite_loss_is_replay
     tiny_trainer(ns, [cb], max_steps=2, accumulate_grad_batches=4).fit(module)
     assert [(f.step, f.op, f.module) for f in origins(cb)] == [(0, "LogBackward0", "encoder.logscale")]
     assert module.training_step_calls == 8 + 1  # training_step ran once more, on that batch alone
+
+
+@pytest.mark.parametrize("closure", [True, False])
+def test_manual_optimization_with_a_closure_gets_the_nan_origin(closure: bool) -> None:
+    # The documented manual-optimization closure pattern: opt.step(closure=closure), manual_backward inside.
+    ns = lightning_namespace("lightning.pytorch")
+
+    class Manual(ns.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, b: Any, i: int) -> None:
+            opt = self.optimizers()
+
+            def step_closure() -> torch.Tensor:
+                x, y = b
+                out = self.net(x)
+                if i == 3:
+                    out = torch.log(out - out.detach() - 1)  # log(-1): NaN
+                loss = nn.functional.mse_loss(out, y)
+                opt.zero_grad()
+                self.manual_backward(loss)
+                return loss
+
+            if closure:
+                opt.step(closure=step_closure)
+            else:
+                step_closure()
+                opt.step()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    from conftest import tiny_data
+
+    cb = GradWatchCallback(console=False)
+    model = Manual()
+    tiny_trainer(ns, [cb], max_steps=6).fit(model, tiny_data())
+    origin = [(f.step, f.op) for f in cb.findings if f.kind == "nan_origin"]
+    assert origin == [(3, "LogBackward0")], [(f.kind, f.step) for f in cb.findings]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
