@@ -502,7 +502,9 @@ class Localizer:
 
         loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
         loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
-        found = _first_birth([(intent, before, after) for _s, _n, intent, before, after in ops])
+        found = _first_birth(
+            [(intent, before, after) for _s, _n, intent, before, after in ops], [str(s.func) for s, *_r in ops]
+        )
         origin = None
         if found is not None:
             site, node, intent, before, after = ops[found]
@@ -678,19 +680,34 @@ def _traceback(node: Any) -> str | None:
     return str(tb)
 
 
-def _first_birth(ops: list[tuple[bool, list[float] | None, list[float] | None]]) -> int | None:
-    """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries."""
+#: Functions that put an explicit float('-inf') somewhere on purpose (a mask); an explicit Inf given to
+#: anything else (``out * float("inf")``) is a value, and the Inf it makes is what a later op turns into NaN.
+_MASKING = ("masked_fill", "where", "fill", "full", "setitem", "index_put", "masked_scatter", "index_fill")
+
+
+def _first_birth(
+    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None = None
+) -> int | None:
+    """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries
+    (``names``: the ops' function names, to tell masks from other explicit Inf arguments)."""
     # A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended.
     for i, (intended, before, after) in enumerate(ops):
         if after is None or not _bad(after) or intended:
             continue
         if before is None or not _bad(before):
             return i
-    # Otherwise a NaN made from Inf (e.g. softmax over a fully masked row).
+    # Otherwise a NaN made from Inf (e.g. softmax over a fully masked row), unless the Inf came from an
+    # explicit float('inf') given to an op that is no mask: then that op made it.
     for i, (_intended, before, after) in enumerate(ops):
         if after is None or not after[0]:
             continue
         if before is None or not before[0]:
+            for j in range(i):
+                intended, b, a = ops[j]
+                name = (names[j] if names is not None and j < len(names) else "") or ""
+                if intended and a is not None and _bad(a) and (b is None or not _bad(b)) and names is not None \
+                        and not any(m in name.lower() for m in _MASKING):
+                    return j
             return i
     # Otherwise an explicit float('inf')/nan argument after all, when its value reached the end of the
     # forward pass (the loss): a sentinel that was never masked out, e.g. ``loss * float("inf")``.

@@ -230,3 +230,33 @@ def test_manual_optimization_with_a_closure_gets_the_nan_origin(closure: bool) -
     origin = [(f.step, f.op) for f in cb.findings if f.kind == "nan_origin"]
     assert origin == [(3, "LogBackward0")], [(f.kind, f.step) for f in cb.findings]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_explicit_inf_that_a_later_op_turns_into_nan_is_named_at_its_own_line() -> None:
+    # `out * float("inf")` (a sentinel, not a mask) makes Inf; binary_cross_entropy_with_logits makes it NaN.
+    ns = lightning_namespace("lightning.pytorch")
+
+    class Sentinel(ns.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, b: Any, i: int) -> torch.Tensor:
+            x, y = b
+            out = self.net(x)
+            if i == 3:
+                out = out * float("inf")
+            return nn.functional.binary_cross_entropy_with_logits(out, (y > 0).float())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    from conftest import tiny_data
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(ns, [cb], max_steps=6).fit(Sentinel(), tiny_data())
+    origin = [f for f in cb.findings if f.kind == "nan_origin"]
+    assert [(f.step, f.op) for f in origin] == [(3, "MulBackward0")], [(f.kind, f.step, f.op) for f in cb.findings]
+    assert origin[0].data["explicit_operand"] is True
+    assert 'out * float("inf")' in (origin[0].data.get("code") or "")
