@@ -391,7 +391,7 @@ class Escalation:
     def _escalated_forward_start(self) -> None:
         self._anomaly_on()
         if self._live is not None:
-            self._live.start()
+            self._live.start(inside_root=True)  # called from the root model's forward pre-hook
 
     def _escalated_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         live = self._live

@@ -329,10 +329,11 @@ class Localizer:
             h.remove()
         self._module_hooks = []
 
-    def start(self) -> None:
-        """Begin recording a forward pass (pushes the op recorder; installs module hooks)."""
+    def start(self, *, inside_root: bool = False) -> None:
+        """Begin recording a forward pass (pushes the op recorder; installs module hooks). ``inside_root``:
+        called from the root module's own forward pre-hook, so its ops belong to the root module."""
         self.install_module_hooks()
-        self._stack = []
+        self._stack = [self.root_label] if inside_root and self.root is not None else []
         if self._mode is None:
             self._mode = _OpRecorder(self)
             self._mode.__enter__()

@@ -677,3 +677,34 @@ def test_nan_born_in_a_modules_own_pre_hook_is_named_in_that_module() -> None:
             opt.step()
     origin = [f for f in gw.findings if f.kind == "nan_origin"]
     assert origin and (origin[0].step, origin[0].module) == (2, "enc"), [(f.step, f.module) for f in origin]
+
+
+def test_an_op_in_the_root_models_own_forward_is_named_alike_on_replayed_and_escalated_steps() -> None:
+    # A CLIP-style temperature driven to 0: the division sits in the root module's own forward.
+    class Clip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(8, 8)
+            self.logit_scale = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            za = nn.functional.normalize(self.enc(a), dim=-1)
+            zb = nn.functional.normalize(self.enc(b), dim=-1)
+            return za @ zb.t() / self.logit_scale
+
+    torch.manual_seed(0)
+    model = Clip()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, max_skips=None) as gw:
+        for step in range(4):
+            if step == 1:
+                with torch.no_grad():
+                    model.logit_scale.zero_()
+            a = torch.randn(8, 8)
+            loss = nn.functional.cross_entropy(model(a, a + 0.1 * torch.randn(8, 8)), torch.arange(8))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [(f.step, f.op, f.module, f.data["replayed"]) for f in gw.findings if f.kind == "nan_origin"]
+    assert found == [(1, "DivBackward0", "<root>", True), (2, "DivBackward0", "<root>", False),
+                     (3, "DivBackward0", "<root>", False)]
