@@ -712,6 +712,7 @@ class Escalation:
         model = self._replay_model()
         upstream_bad, available = self._upstream_state(call)
         loc = Localizer(model, aten=True)
+        loc.replay = True
         anomaly_error: str | None = None
         traceback: str | None = None
         surrogate = False
@@ -761,6 +762,7 @@ class Escalation:
     def _replay_lightning(self, src: _Batch) -> _Result:
         pl_module = src.pl_module
         loc = Localizer(pl_module, root_label=ROOT, aten=True)
+        loc.replay = True
         anomaly_error: str | None = None
         traceback: str | None = None
         with _preserved(pl_module), self._replay_guard(), warnings.catch_warnings(record=True) as caught:

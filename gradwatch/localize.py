@@ -289,6 +289,10 @@ class Localizer:
         self._node_handles: list[Any] = []
         self._stack: list[str] = []
         self._skip = _skip_dirs()
+        #: Replaying a captured call from inside gradwatch: a frame of gradwatch's own ends the search for the
+        #: user's line (past it is the training loop's ``opt.step()``, not the code that ran the op).
+        self.replay = False
+        self._own = os.path.dirname(os.path.abspath(__file__)) + os.sep
         self.reset()
 
     # -- recording state ---------------------------------------------------------------------------
@@ -386,8 +390,15 @@ class Localizer:
         module = self._stack[-1] if self._stack else None
         f = sys._getframe(2)
         skip = self._skip
+        replay = self.replay
+        outside = False  # past the recorder's own frames
         while f is not None:
             fn = f.f_code.co_filename
+            if fn.startswith(self._own):
+                if replay and outside:
+                    break
+            else:
+                outside = True
             if not fn.startswith(skip) and not fn.startswith("<frozen"):
                 return Site(_func_name(func), module, fn, f.f_lineno, f.f_code.co_name)
             f = f.f_back

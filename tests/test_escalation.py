@@ -708,3 +708,22 @@ def test_an_op_in_the_root_models_own_forward_is_named_alike_on_replayed_and_esc
     found = [(f.step, f.op, f.module, f.data["replayed"]) for f in gw.findings if f.kind == "nan_origin"]
     assert found == [(1, "DivBackward0", "<root>", True), (2, "DivBackward0", "<root>", False),
                      (3, "DivBackward0", "<root>", False)]
+
+
+def test_a_replayed_op_of_a_built_in_module_is_not_placed_at_the_optimizer_step_line() -> None:
+    # nn.Sequential of torch layers: no user line runs the op; the replay (inside opt.step()) must not
+    # name the training loop's opt.step() line as its source.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(3):
+            x = torch.full((8, 4), 3e38) if step >= 1 else torch.randn(8, 4)  # the first Linear overflows
+            loss = nn.functional.mse_loss(model(x), torch.zeros(8, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert found and found[0].data["replayed"] is True
+    assert "opt.step()" not in (found[0].data.get("code") or "")
+    assert found[0].module is not None
