@@ -480,3 +480,44 @@ def test_divergence_after_convergence_is_still_reported() -> None:
     gw = memorize("adam", 1000, blow_up_at=900)
     kinds = {f.kind for f in gw.findings if f.step >= 900}
     assert kinds & {"loss_spike", "exploding_grad", "update_ratio_high", "nonfinite_loss"}, magnitude(gw)
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.emb(t)))
+
+
+def _lm_run(lr: float, steps: int = 20) -> gradwatch.Watcher:
+    model = _TinyLM()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(steps):
+            t = torch.randint(0, 50, (8, 12), generator=g)
+            loss = nn.functional.cross_entropy(model(t).reshape(-1, 50), t.roll(1, 1).reshape(-1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return gw
+
+
+# https://github.com/tensorflow/tensor2tensor/issues/280 ("the loss suddenly jumps too high ... and stays there")
+def test_loss_thrown_up_by_a_learning_rate_far_too_high_is_diverging() -> None:
+    gw = _lm_run(lr=1.0)
+    found = [f for f in gw.findings if f.kind == "loss_diverging"]
+    assert [(f.step, f.severity) for f in found] == [(10, "warning")], [(f.kind, f.step) for f in gw.findings]
+    assert found[0].data["ratio"] > 10 and "learning rate now 1" in found[0].message
+
+
+def test_the_same_model_at_a_sane_learning_rate_is_silent() -> None:
+    gw = _lm_run(lr=1e-3, steps=40)
+    assert gw.findings == []
