@@ -59,7 +59,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         else:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes every "
-                f"gradient of this step NaN/Inf and, once applied, poisons the weights and Adam's moments. "
+                f"gradient of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
                 f"{action}\nFix: look for log/sqrt/division of zero or negative values in the loss, "
                 "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
                 "learning rate, or check the batch for NaN/Inf."
