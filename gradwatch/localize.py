@@ -108,6 +108,7 @@ class Origin:
     outgoing: dict[str, Any] = field(default_factory=dict)
     traceback: str | None = None
     explicit_operand: bool = False
+    forward_birth: bool = False  # a loss-code op's forward result was non-finite (read from its saved result)
 
 
 @dataclass
@@ -313,6 +314,7 @@ class Localizer:
         self._fired: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
         self._outside: set[int] = set()
         self._saved_inputs: dict[int, torch.Tensor | None] = {}
+        self._saved_results: dict[int, torch.Tensor | None] = {}  # loss-code nodes' forward results
         self._stack = []
 
     def install_module_hooks(self) -> None:
@@ -486,7 +488,11 @@ class Localizer:
             self._fired.append((index, incoming, produced))
             if index in self._outside and index not in self._saved_inputs:
                 # Still held here: a node releases its saved tensors only after its post hooks ran.
-                self._saved_inputs[index] = summarize(_saved_inputs(self._nodes[index]))
+                node = self._nodes[index]
+                self._saved_inputs[index] = summarize(_saved_inputs(node))
+                result = getattr(node, "_saved_result", None)
+                if isinstance(result, torch.Tensor) and (result.is_floating_point() or result.is_complex()):
+                    self._saved_results[index] = summarize([result])
         except Exception:  # noqa: BLE001
             pass
 
@@ -504,6 +510,8 @@ class Localizer:
             vectors += [incoming, produced]
         saved_keys = list(self._saved_inputs)
         vectors += [self._saved_inputs[k] for k in saved_keys]
+        result_keys = list(self._saved_results)
+        vectors += [self._saved_results[k] for k in result_keys]
         values = _read(vectors)
         it = iter(values)
         ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a, _r in self._ops]
@@ -511,6 +519,7 @@ class Localizer:
         mods = [(label, next(it), next(it)) for label, _i, _o in self._modules]
         fired = [(i, next(it), next(it)) for i, _a, _b in self._fired]
         saved = {k: next(it) for k in saved_keys}
+        results = {k: next(it) for k in result_keys}
 
         loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
         loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
@@ -552,6 +561,8 @@ class Localizer:
             for index, summary in saved.items():
                 forward_inputs.setdefault(self._nodes[index], summary)
             backward = self._backward_origin(fired, forward_inputs)
+            if backward is None and origin is None:
+                backward = self._loss_forward_origin(fired, saved, results)
             if backward is not None or origin is None:
                 origin = backward
         loc.origin = origin
@@ -563,6 +574,36 @@ class Localizer:
                 loc.first_module_inputs = _magnitudes(ins)
                 break
         return loc
+
+    def _loss_forward_origin(
+        self,
+        fired: list[tuple[int, list[float] | None, list[float] | None]],
+        saved: dict[int, list[float] | None],
+        results: dict[int, list[float] | None],
+    ) -> Origin | None:
+        """A loss-code op whose forward result was non-finite from finite inputs (``std`` of one element):
+        read from what its backward node saved. The earliest in forward order (the last to fire)."""
+        for index, _incoming, _produced in reversed(fired):
+            result = results.get(index)
+            fwd = saved.get(index)
+            if result is None or not _bad(result) or fwd is None or _bad(fwd):
+                continue
+            node = self._nodes[index]
+            site = self._node_sites[index]
+            return Origin(
+                phase="loss",
+                op=node.name(),
+                forward_op=(site.func or None) if site else None,
+                module=site.module if site else None,
+                source=site.source if site else None,
+                code=site.code if site else None,
+                incoming={"forward_min_abs": fwd[2], "forward_max_abs": fwd[3], "forward_min": fwd[4],
+                          "forward_max": fwd[5]},
+                outgoing=_out(result),
+                traceback=_traceback(node),
+                forward_birth=True,
+            )
+        return None
 
     def _backward_origin(
         self,

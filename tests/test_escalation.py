@@ -727,3 +727,26 @@ def test_a_replayed_op_of_a_built_in_module_is_not_placed_at_the_optimizer_step_
     assert found and found[0].data["replayed"] is True
     assert "opt.step()" not in (found[0].data.get("code") or "")
     assert found[0].module is not None
+
+
+# https://github.com/pytorch/pytorch/issues/4320 (std of one element is NaN: advantage normalization)
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_loss_code_std_of_one_element_is_named_with_its_line_when_it_happens_again() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with gradwatch.watch(model, opt, console=False, max_skips=None) as gw:
+        for step in range(4):
+            v = model(torch.randn(8 if step == 0 else 1, 8))[:, 0]  # from step 1 on: batches of one
+            adv = (v - v.mean()) / (v.std() + 1e-8)  # normalized advantages
+            loss = (adv**2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert [(f.step, f.data["phase"]) for f in found] == [(1, "loss"), (2, "loss"), (3, "loss")]
+    assert found[0].data["loss_ops"] == ["DivBackward0", "StdBackward0"]  # replayed: the suspects
+    assert [f.op for f in found[1:]] == ["StdBackward0", "StdBackward0"]  # escalated: the op and its line
+    assert "adv = (v - v.mean())" in (found[1].data.get("code") or "")
+    assert "Its forward result holds NaN although its inputs were finite" in found[1].message
