@@ -1405,19 +1405,17 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         line = f"\n    {origin.source}" + (f"\n      {origin.code}" if origin.code else "")
     inc = origin.incoming
     fwd_op = f" ({origin.forward_op})" if origin.forward_op else ""
-    if origin.phase == "loss" and origin.forward_birth:
-        _received, fwd = _backward_context(inc)
-        what = (
-            f"Born in the loss computation of step {step}, outside the model (its forward pass was finite): "
-            f"op {origin.op}{fwd_op} in {where_module if module is not None else 'the loss code'}{line}\n"
-            f"Its forward result holds {produced} although its inputs were finite.{fwd}"
-        )
-    elif origin.phase == "loss":
+    if origin.phase == "loss":
         received, fwd = _backward_context(inc)
+        how_born = (
+            f"Its forward result holds {produced} although its inputs were finite."
+            if origin.forward_birth  # read from what its backward node saved
+            else f"It received {received} and produced {produced}."
+        )
         what = (
             f"Born in the loss computation of step {step}, outside the model (its forward pass was finite): "
             f"op {origin.op}{fwd_op} in {where_module if module is not None else 'the loss code'}{line}\n"
-            f"It received {received} and produced {produced}.{fwd}"
+            f"{how_born}{fwd}"
         )
     elif origin.phase == "forward":
         inputs = "It had no tensor inputs"
