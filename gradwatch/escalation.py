@@ -1452,6 +1452,13 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "instead of -inf, keep one position unmasked, or use torch.softmax / "
             "F.scaled_dot_product_attention, which handle the max themselves."
         )
+    if origin.phase == "forward" and origin.masked:
+        fix += (
+            " Here its NaN never reached the model's output (masked out, e.g. torch.where(mask, x.sqrt(), 0)), "
+            "but the gradient of the masked positions is 0 times the op's NaN/infinite derivative: NaN. Apply "
+            "the op to a safe input instead: x_safe = torch.where(mask, x, 1.0), then "
+            "torch.where(mask, x_safe.sqrt(), 0)."
+        )
     if origin.explicit_operand:
         fix = (
             "the float('inf')/float('nan') written in this line reaches the loss: if it is a mask or "

@@ -109,6 +109,7 @@ class Origin:
     traceback: str | None = None
     explicit_operand: bool = False
     forward_birth: bool = False  # a loss-code op's forward result was non-finite (read from its saved result)
+    masked: bool = False  # a forward NaN the rest of the forward masked out (torch.where): the where-NaN trap
 
 
 @dataclass
@@ -556,6 +557,10 @@ class Localizer:
             and ops[-1][4] is not None
             and not _bad(ops[-1][4])
         )
+        if origin is not None and origin.outgoing.get("nan") and bool(ops) and ops[-1][4] is not None:
+            # A NaN born in the forward that its output no longer holds: masked out (torch.where, indexing),
+            # yet the masked positions' gradient is NaN (0 * the op's infinite derivative).
+            origin.masked = not _bad(ops[-1][4])
         if origin is None or absorbed:
             forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
             for index, summary in saved.items():

@@ -750,3 +750,29 @@ def test_loss_code_std_of_one_element_is_named_with_its_line_when_it_happens_aga
     assert [f.op for f in found[1:]] == ["StdBackward0", "StdBackward0"]  # escalated: the op and its line
     assert "adv = (v - v.mean())" in (found[1].data.get("code") or "")
     assert "Its forward result holds NaN although its inputs were finite" in found[1].message
+
+
+# https://github.com/pytorch/pytorch/issues/68425 (torch.where: NaN gradient through the masked branch)
+def test_the_where_nan_trap_is_explained_with_the_safe_input_fix() -> None:
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return self.head(torch.where(h > 0, h.sqrt(), torch.zeros_like(h)))  # finite forward
+
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        out = model(torch.randn(8, 4))
+        assert torch.isfinite(out).all()
+        opt.zero_grad()
+        out.pow(2).mean().backward()
+        opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.op) == (0, "SqrtBackward0")
+    assert "never reached the model's output" in origin.message and "x_safe = torch.where" in origin.message
