@@ -224,6 +224,7 @@ class Escalation:
         self._live: Localizer | None = None
         self._live_used = False
         self._poison_reported = False
+        self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
 
     @property
     def active(self) -> bool:
@@ -253,6 +254,10 @@ class Escalation:
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
             return None
+        if not self._under_compile and torch.compiler.is_compiling():
+            # The watched module runs inside a torch.compile'd wrapper (watch(model) of compile(model)):
+            # its escalation window must add no function mode or hooks to the trace either.
+            self._under_compile = True
         engine = self.engine
         counts = engine.step_counts
         mark = sum(counts)
@@ -268,7 +273,7 @@ class Escalation:
             calls[-MAX_GRADS - 1].fold()
         if len(calls) > MAX_CALLS:
             calls.pop(0).release()
-        if self._window_left > 0:
+        if self._window_left > 0 and not self._under_compile:
             self._escalated_forward_start()
         return None
 
@@ -365,7 +370,14 @@ class Escalation:
         self._window_left = self.engine.config.escalate_steps
         self._window_start = step
         self.engine.escalated = True
-        if self.integration == "plain" and self.model is not None and not _is_compiled(self.model):
+        if self._under_compile:
+            self._anomaly_on()  # here, at the step: inside Dynamo's trace it would break the graph
+        if (
+            self.integration == "plain"
+            and self.model is not None
+            and not _is_compiled(self.model)
+            and not self._under_compile
+        ):
             # A compiled model's forward runs inside Dynamo's trace, where the live localizer's function
             # modes would cost graph breaks and recompiles: there the window is anomaly mode only.
             self._live = Localizer(self.model)
@@ -705,7 +717,12 @@ class Escalation:
         assert model is not None
         inner = getattr(model, "module", None)
         if isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel":
-            return inner  # no collective calls in a replay that only this rank runs
+            model = inner  # no collective calls in a replay that only this rank runs
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module) and _is_compiled(model):
+            # Replayed eagerly: a compiled forward run once under the localizer's dispatch mode changes the
+            # compiled graph's later numerics (by an ulp); the eager module computes the same values.
+            return orig
         return model
 
     def _replay_call(self, call: _Call) -> _Result:

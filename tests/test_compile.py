@@ -127,6 +127,38 @@ def test_escalation_window_after_an_incident_adds_no_graph_break() -> None:
     assert (graph_breaks(), counters["stats"]["unique_graphs"]) == (0, 1)
 
 
+class LogNet(nn.Module):
+    """log(h) of a clamped activation; a batch with a negative row makes it NaN (born in the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.log(self.lin(x).abs() + x[:, :1].clamp(max=0) * 1e6 + 1.0))
+
+
+def test_watching_the_original_model_of_a_compiled_one_adds_no_graph_break_after_an_incident() -> None:
+    torch.manual_seed(0)
+    model = LogNet()
+    compiled = torch.compile(model, backend=BACKEND)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dynamo.reset()
+    counters.clear()
+    with gradwatch.watch(model, opt, console=text_console()) as gw:  # the original module, run compiled
+        for step in range(7):  # NaN batches at steps 2 and 4: the second falls in the escalation window
+            x = torch.rand(16, 4, generator=torch.Generator().manual_seed(step))
+            if step in (2, 4):
+                x[0, 0] = -1.0
+            loss = compiled(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert graph_breaks() == 0
+    assert [f.step for f in gw.findings if f.kind == "nan_origin"] == [2, 4]
+
+
 def compiled_step_loop(opt: torch.optim.Optimizer, model: nn.Module, gw: Any, steps: int, *, zero: bool = True,
                        nan_at: int | None = None) -> None:
     step = torch.compile(opt.step, backend=BACKEND)  # the compiled-optimizer recipe
