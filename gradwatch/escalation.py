@@ -495,7 +495,12 @@ class Escalation:
             if poisoned:
                 if not self._poison_reported:
                     self._poison_reported = True
-                    out.append(_poisoned_finding(stats.step, poisoned, config.on_nonfinite, layers, buffers=False))
+                    out.append(
+                        _poisoned_finding(
+                            stats.step, poisoned, config.on_nonfinite, layers, buffers=False, every=config.every,
+                            earlier=self.engine.kind_counts.get("nan_origin", 0) > 0,
+                        )
+                    )
                 return out
             self._poison_reported = False
             result = self._localize()
@@ -1174,7 +1179,8 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str
 
 
 def _poisoned_finding(
-    step: int, names: list[str], policy: str, layers: list[dict[str, Any]], *, buffers: bool
+    step: int, names: list[str], policy: str, layers: list[dict[str, Any]], *, buffers: bool, every: int = 1,
+    earlier: bool = True,
 ) -> Finding:
     if buffers:
         what = f"Buffers of the model hold NaN/Inf at step {step}: {names_text(names)}"
@@ -1192,15 +1198,29 @@ def _poisoned_finding(
             why = (
                 "An earlier non-finite update was applied (on_nonfinite='warn'), so every later step is non-finite too."
             )
+        elif every > 1:
+            why = (
+                f"gradwatch checks every {every}th step (every={every}), so a non-finite update on a step in "
+                "between was applied unchecked (or they were loaded from a checkpoint or written outside the "
+                "optimizer); every step is non-finite from then on."
+            )
         else:
             why = (
                 "They became non-finite before this step (loaded from a checkpoint, written outside the "
-                "optimizer, or updated on a step gradwatch did not check), so every step is non-finite."
+                "optimizer, or updated by an optimizer gradwatch does not watch), so every step is non-finite."
             )
-        fix = (
-            "Fix: see the first nan_origin finding of the run for the op and module where it began; use "
-            "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
-        )
+        if earlier:
+            fix = (
+                "Fix: see the first nan_origin finding of the run for the op and module where it began; use "
+                "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
+            )
+        else:
+            fix = (
+                "Fix: reload a checkpoint from before it"
+                + (f", and watch every step (every=1) so the next non-finite update is skipped and localized "
+                   "at the step it happens" if every > 1 else ", and check what wrote the weights")
+                + "."
+            )
     return Finding(
         kind="nan_origin",
         step=step,

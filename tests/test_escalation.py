@@ -776,3 +776,21 @@ def test_the_where_nan_trap_is_explained_with_the_safe_input_fix() -> None:
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert (origin.step, origin.op) == (0, "SqrtBackward0")
     assert "never reached the model's output" in origin.message and "x_safe = torch.where" in origin.message
+
+
+def test_weights_poisoned_on_an_unchecked_step_say_so_and_suggest_checking_every_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, every=5, max_skips=None) as gw:
+        for step in range(6):
+            x = torch.randn(8, 4)
+            if step == 2:  # not a checked step: applied
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.data["phase"]) == (5, "weights")
+    assert "every=5" in origin.message and "every=1" in origin.message
+    assert "see the first nan_origin" not in origin.message  # there is none before it
