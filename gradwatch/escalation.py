@@ -63,6 +63,7 @@ Finding kinds:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import re
@@ -155,6 +156,17 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype in (torch.float16, torch.bfloat16):
         return grad.sum(dtype=torch.float32)
     return grad.sum()
+
+
+def _output_leaves(output: Any) -> list[Any]:
+    """The leaves of a forward's output, looking inside dataclass instances too (pytree does not)."""
+    out: list[Any] = []
+    for leaf in tree_leaves(output):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += _output_leaves([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)])
+        else:
+            out.append(leaf)
+    return out
 
 
 def _input_counts(t: torch.Tensor) -> torch.Tensor:
@@ -287,7 +299,7 @@ class Escalation:
                 call.nodes = (output.grad_fn,)
             return None
         nodes = []
-        for i, t in enumerate(tree_leaves(output)):
+        for i, t in enumerate(_output_leaves(output)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(call.set_grad, i))
                 nodes.append(t.grad_fn)
@@ -412,7 +424,7 @@ class Escalation:
         live.stop_forward()
         try:
             if output is not None:
-                live.hook_graph([t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+                live.hook_graph([t for t in _output_leaves(output) if isinstance(t, torch.Tensor)])
                 self._live_used = True
         except Exception as exc:  # noqa: BLE001
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
@@ -699,10 +711,10 @@ class Escalation:
         with _preserved(model), self._replay_guard(), torch.enable_grad(), _autocast(call.autocast):
             args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
             output = model(*args, **kwargs)
-            leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            leaves = [t for t in _output_leaves(output) if isinstance(t, torch.Tensor)]
             checks = [torch.isfinite(t).all() for t in leaves if t.is_floating_point() or t.is_complex()]
             outs = [
-                (i, t) for i, t in enumerate(tree_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad
+                (i, t) for i, t in enumerate(_output_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             targets, grad_outputs = [], []
             for i, t in outs:
@@ -747,7 +759,7 @@ class Escalation:
                     output = model(*args, **kwargs)
                 finally:
                     loc.stop_forward()
-                leaves = list(enumerate(tree_leaves(output)))
+                leaves = list(enumerate(_output_leaves(output)))
                 outs = [(i, t) for i, t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 loc.hook_graph([t for _i, t in outs])
                 use_real = available and not upstream_bad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -794,3 +795,43 @@ def test_weights_poisoned_on_an_unchecked_step_say_so_and_suggest_checking_every
     assert (origin.step, origin.data["phase"]) == (5, "weights")
     assert "every=5" in origin.message and "every=1" in origin.message
     assert "see the first nan_origin" not in origin.message  # there is none before it
+
+
+@dataclasses.dataclass
+class _Output:
+    pred: torch.Tensor
+    aux: torch.Tensor
+
+
+class _DataclassNet(nn.Module):
+    """Returns a dataclass (as many model libraries do); sqrt at exactly 0 on an armed step: a NaN born in
+    the backward pass only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        h = self.fc1(x)
+        if self.armed:
+            h = torch.cat([h[:, :1] * 0.0, h[:, 1:]], 1)
+        h = torch.sqrt(h.pow(2))
+        return _Output(self.fc2(h), h.mean())
+
+
+def test_a_model_returning_a_dataclass_gets_its_backward_nan_origin() -> None:
+    torch.manual_seed(0)
+    model = _DataclassNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(6):
+            model.armed = step == 3
+            out = model(torch.randn(16, 8))
+            loss = nn.functional.mse_loss(out.pred, torch.randn(16, 1)) + out.aux
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [(f.step, f.op, f.data["phase"]) for f in gw.findings if f.kind == "nan_origin"]
+    assert found == [(3, "SqrtBackward0", "backward")]
