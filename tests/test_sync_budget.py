@@ -174,6 +174,12 @@ def test_deferred_findings_carry_the_step_they_concern(tmp_path: Any) -> None:
     assert all(f.step >= 6 for f in gw.findings)
 
 
+def test_deferred_nonfinite_grad_does_not_claim_zero_nan_and_inf_counts(tmp_path: Any) -> None:
+    _counter, gw = run_counted(10, tmp_path, nan_at=6, deferred=True, on_nonfinite="warn", escalate=False)
+    f = next(f for f in gw.findings if f.kind == "nonfinite_grad")
+    assert "0 NaN, 0 Inf" not in f.message and "not read in deferred mode" in f.message
+
+
 def test_deferred_finding_of_the_last_step_is_reported_at_close(tmp_path: Any) -> None:
     _counter, gw = run_counted(5, tmp_path, nan_at=4, deferred=True, on_nonfinite="warn", escalate=False)
     assert [(f.kind, f.step) for f in gw.findings if f.kind == "nonfinite_loss"] == [("nonfinite_loss", 4)]

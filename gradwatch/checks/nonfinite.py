@@ -85,6 +85,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         modules = sorted({m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite and m is not None})
         nan_total = sum(stats.nan_counts.values())
         inf_total = sum(stats.inf_counts.values())
+        counted = bool(stats.nan_counts or stats.inf_counts)
+        counts = (
+            f"{nan_total} NaN, {inf_total} Inf"
+            if counted
+            else "element counts are not read in deferred mode; a finite gradient whose norm overflows float32 "
+            "reads as Inf here too"
+        )
         out.append(
             Finding(
                 kind="nonfinite_grad",
@@ -92,7 +99,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 severity="error",
                 message=(
                     f"{len(stats.nonfinite)} of {len(stats.names)} gradients hold non-finite values at step "
-                    f"{stats.step} ({nan_total} NaN, {inf_total} Inf): {names_text(stats.nonfinite)}. "
+                    f"{stats.step} ({counts}): {names_text(stats.nonfinite)}. "
                     f"{action}\nWhy it matters: one NaN gradient poisons the weights and the optimizer's "
                     "moments for good, and clip_grad_norm_ spreads it to every parameter.\n"
                     "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
