@@ -22,8 +22,10 @@ def _never(stats: StepStats, history: History) -> frozenset[str]:
 
 #: Checked steps (times ``every``) a parameter of a ModuleList/ModuleDict member may go without a gradient
 #: while other members get theirs, before it is reported: experts without tokens, dropped layers and heads
-#: of tasks not in the batch are used on later steps.
-MEMBER_GRACE = 10
+#: of tasks not in the batch are used on later steps. At least this many, and PER_MEMBER per member of
+#: the container (12 task heads taken in turn, or sampled by dataset size, need more than 12 steps).
+MEMBER_GRACE = 20
+PER_MEMBER = 8
 
 
 def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
@@ -41,11 +43,17 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
     busy_containers: dict[str, set[str]] = {}
     for container, key in busy:
         busy_containers.setdefault(container, set()).add(key)
+    idle_keys: dict[str, set[str]] = {}
+    for n in stats.none_grad:  # with the busy ones: every trainable member the optimizer holds
+        member = member_of(n)
+        if member is not None:
+            idle_keys.setdefault(member[0], set()).add(member[1])
     now: list[str] = []
-    grace = MEMBER_GRACE * max(1, config.every)
     for n in fresh:
         member = member_of(n)
         if member is not None and busy_containers.get(member[0], set()) - {member[1]}:
+            members = len(busy_containers[member[0]] | idle_keys.get(member[0], set()))
+            grace = max(MEMBER_GRACE, PER_MEMBER * members) * max(1, config.every)
             first = waiting.setdefault(n, stats.step)
             if stats.step - first < grace:
                 continue
@@ -93,7 +101,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 + cause
                 + "(Parameters that get a gradient on some steps only, as with mixture-of-experts routing, "
                 f"LayerDrop or one head per task, are not reported; members of a ModuleList/ModuleDict get "
-                f"{MEMBER_GRACE} checked steps.)\n"
+                f"{MEMBER_GRACE} checked steps, or {PER_MEMBER} per member.)\n"
                 "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
                 "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
                 "or leave them out of the optimizer."
