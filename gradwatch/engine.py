@@ -124,6 +124,8 @@ class Engine:
         self.cleared_between_backwards = False
         self._backwards_since_check = 0
         self._cleared_backwards = 0  # backward passes since then that found the gradients cleared
+        # Unregistered trainable tensors found at a check: (name, tensor, how, its grad, grad version).
+        self._unregistered_seen: list[tuple[str, torch.Tensor, str, torch.Tensor, int]] = []
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -234,6 +236,26 @@ class Engine:
     @staticmethod
     def _signature(opt: torch.optim.Optimizer) -> tuple[int, ...]:
         return tuple(len(g["params"]) for g in opt.param_groups)
+
+    def _unregistered(self, scan: bool) -> list[tuple[str, str]]:
+        """Trainable tensors the model uses but never registered (see ``ParamIndex.unregistered``) whose
+        gradient moved since the previous check: the scan's candidates are confirmed one check later."""
+        try:
+            confirmed = [
+                (n, how)
+                for n, t, how, g, version in self._unregistered_seen
+                if t.grad is not None and (t.grad is not g or t.grad._version != version)
+            ]
+            self._unregistered_seen = []
+            if scan:
+                self._unregistered_seen = [
+                    (n, t, how, t.grad, t.grad._version) for n, t, how in self.index.unregistered()
+                ]
+            return confirmed
+        except Exception as exc:  # noqa: BLE001 - a model with odd attributes must not stop the check
+            internal_warning("unregistered-parameter scan", exc, owner=self)
+            self._unregistered_seen = []
+            return []
 
     def _refresh_index(self) -> bool:
         changed = self._params_dirty or self.index.unheld_trainable_changed()
@@ -354,14 +376,8 @@ class Engine:
             first_check=self._first_check[opt_index],
         )
         self._first_check[opt_index] = False
-        if stats.first_check or changed:
-            try:
-                unregistered = self.index.unregistered()
-            except Exception as exc:  # noqa: BLE001 - a model with odd attributes must not stop the check
-                internal_warning("unregistered-parameter scan", exc, owner=self)
-                unregistered = []
-            if unregistered:
-                stats.extra["unregistered"] = [(n, how) for n, _, how in unregistered]
+        if stats.first_check or changed or self._unregistered_seen:
+            stats.extra["unregistered"] = self._unregistered(stats.first_check or changed)
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
         if none:

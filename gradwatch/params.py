@@ -174,8 +174,9 @@ class ParamIndex:
         """Trainable tensors the model uses but does not register: ``(name, tensor, how)`` with ``how``
         ``"tensor"`` (a leaf tensor with ``requires_grad=True`` kept as a plain attribute, not an
         ``nn.Parameter``) or ``"container"`` (a parameter of a module kept in a Python list, tuple or dict
-        instead of ``nn.ModuleList``/``nn.ModuleDict``). Only those that hold a gradient (the forward uses
-        them) and that no watched optimizer holds. A scan of every module's attributes: first check only.
+        instead of ``nn.ModuleList``/``nn.ModuleDict``). Only trainable ones that hold a gradient and that no
+        watched optimizer holds (the engine also asks for that gradient to move between two checks: a frozen
+        teacher's stale one does not). A scan of every module's attributes: first checks only.
         """
         if self.model is None:
             return []
@@ -186,7 +187,7 @@ class ParamIndex:
         seen: set[int] = set()
 
         def keep(name: str, t: torch.Tensor, how: str) -> None:
-            if id(t) in known or id(t) in held or id(t) in seen or t.grad is None:
+            if id(t) in known or id(t) in held or id(t) in seen or t.grad is None or not t.requires_grad:
                 return
             seen.add(id(t))
             out.append((name, t, how))

@@ -326,11 +326,35 @@ def test_modules_in_a_python_list_and_plain_tensors_are_reported_as_never_update
         assert gw.findings == []
         return
     assert [(f.step, f.params) for f in found] == [
-        (0, ("blocks[0].weight", "blocks[0].bias", "blocks[1].weight", "blocks[1].bias", "scale"))
+        (1, ("blocks[0].weight", "blocks[0].bias", "blocks[1].weight", "blocks[1].bias", "scale"))
     ]
     assert "nn.ModuleList" in found[0].message and "nn.Parameter" in found[0].message
     assert torch.equal(model.blocks[0].weight, before)  # what the finding says: never updated
     assert [f.kind for f in gw.findings] == ["not_in_optimizer"]
+
+
+def test_a_teacher_in_a_python_list_with_stale_gradients_from_its_own_training_is_silent() -> None:
+    # Distillation: the teacher was trained earlier in the script (its .grad is still there, requires_grad
+    # left on) and is kept out of the student's state_dict on purpose; it runs under no_grad.
+    torch.manual_seed(0)
+    teacher = nn.Linear(4, 3)
+    teacher(torch.randn(8, 4)).pow(2).mean().backward()
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 3)
+            self._teacher = [teacher]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = self._teacher[0](x)
+            return (self.net(x) - target).pow(2).mean()
+
+    model = Student()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = run(model, opt, lambda step: model(torch.randn(8, 4)), steps=4)
+    assert gw.findings == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a second device (CPU + CUDA)")

@@ -13,9 +13,13 @@ from gradwatch.stats import StepStats
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    if not (stats.first_check or stats.params_changed):
-        return []
     out: list[Finding] = []
+    unregistered = stats.extra.get("unregistered") or []
+    names = tuple(n for n, _ in unregistered)
+    if names and not set(names) <= set(history.reported.get("unregistered", ())):
+        out.append(_unregistered(stats, unregistered))
+    if not (stats.first_check or stats.params_changed):
+        return out
     if stats.not_in_optimizer and history.reported.get("not_in_optimizer") != stats.not_in_optimizer:
         modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in stats.not_in_optimizer})
         out.append(
@@ -40,10 +44,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 data={"modules": modules, "count": len(stats.not_in_optimizer)},
             )
         )
-    unregistered = stats.extra.get("unregistered") or []
-    names = tuple(n for n, _ in unregistered)
-    if names and not set(names) <= set(history.reported.get("unregistered", ())):
-        out.append(_unregistered(stats, unregistered))
     if stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
         # Parameters of the loss trained with the model (CenterLoss centers, a learned temperature) are
         # foreign but get gradients next to the model's own: not a mistake. Report the optimizer that holds
