@@ -4,7 +4,8 @@ A learning rate far too high (an ``lr`` typo, Adam without warm-up on a Transfor
 in the first steps and keep it there with finite gradients: the rolling windows of ``loss_spike`` and
 ``exploding_grad`` then take the diverged level for normal. This check compares with the run's start: the
 lowest of its first ``START`` observed losses. Reported once, when the last ``RECENT`` checked losses are
-all above ``FLOOR`` times that start and their median above ``FACTOR`` times it. Positive losses only (a
+all above ``FLOOR`` times that start and their median above ``FACTOR`` times it, within the first ``EARLY``
+checked steps. Positive losses only (a
 loss that can be negative has no such scale), and not with several optimizers (GAN losses rise by design).
 """
 
@@ -20,6 +21,12 @@ from gradwatch.stats import StepStats
 
 START = 3
 RECENT = 10
+#: Only within the run's first checked steps with a loss: a learning rate far too high throws the loss up
+#: at once. Later, a loss can grow by design (a REINFORCE loss summed over longer episodes, a target scale
+#: a curriculum raises); later instabilities are ``loss_spike``'s and ``exploding_grad``'s.
+EARLY = 50
+JUMP = 3.0
+_COUNT = "loss_diverging/checks"
 FACTOR = 10.0
 FLOOR = 3.0
 _FIRST = "loss_diverging/first"
@@ -36,6 +43,8 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
     first = history.memory.get(_FIRST)
     if not isinstance(first, list) or len(first) < START or history.reported.get(_KEY):
         return None
+    if history.memory.get(_COUNT, 0) >= EARLY:
+        return None
     if stats.loss is None or stats.loss_nonfinite or stats.extra.get("several_optimizers"):
         return None
     start = min(first)
@@ -45,7 +54,14 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
     if len(recent) < RECENT or min(recent) <= FLOOR * start:
         return None
     level = median(recent)
-    return (start, level, len(recent)) if level > FACTOR * start else None
+    if not level > FACTOR * start:
+        return None
+    # Thrown up, not grown: some checked step jumped JUMP x over the one before (a loss whose scale grows
+    # with a curriculum or a target amplitude climbs smoothly).
+    seq = [*history.losses, stats.loss]
+    if not any(b > JUMP * a for a, b in zip(seq, seq[1:]) if a > 0):
+        return None
+    return start, level, len(recent)
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -87,6 +103,9 @@ def _learning_rates(optimizer: Any) -> str:
 def remember(stats: StepStats, history: History) -> None:
     if _facts(stats, history) is not None:
         history.reported[_KEY] = True
+    if stats.loss is None or stats.loss_nonfinite:
+        return
+    history.memory[_COUNT] = history.memory.get(_COUNT, 0) + 1
     first = history.memory.setdefault(_FIRST, [])
-    if len(first) < START and stats.loss is not None and not stats.loss_nonfinite:
+    if len(first) < START:
         first.append(float(stats.loss))
