@@ -521,3 +521,27 @@ def test_loss_thrown_up_by_a_learning_rate_far_too_high_is_diverging() -> None:
 def test_the_same_model_at_a_sane_learning_rate_is_silent() -> None:
     gw = _lm_run(lr=1e-3, steps=40)
     assert gw.findings == []
+
+
+# A DQN's hard target-network sync shifts the regression targets every N steps: the same-size gradient and
+# loss spike each time, on a healthy run (https://github.com/CodeRayZhang/Reinforcement-Learning/issues/1:
+# "every time target_net is updated, the loss fluctuates").
+def test_recurring_spikes_of_the_same_size_are_reported_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 1, generator=g)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(240):
+            x = torch.randn(32, 4, generator=g)
+            shift = 2.0 * ((step // 40) % 2)  # the targets move every 40 steps, back and forth
+            loss = nn.functional.mse_loss(model(x), x @ w + shift)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    spikes = [(f.kind, f.step) for f in gw.findings if f.kind in ("exploding_grad", "loss_spike")]
+    assert len([k for k, _ in spikes if k == "exploding_grad"]) <= 1, spikes
+    assert len([k for k, _ in spikes if k == "loss_spike"]) <= 1, spikes
+    assert spikes and all(s % 40 == 0 for _, s in spikes), spikes  # at a shift of the targets

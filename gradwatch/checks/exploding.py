@@ -50,6 +50,10 @@ _KEY = "exploding"
 #: :func:`gradwatch.magnitude.converged`; full-batch Adam oscillates around the minimum) a "spike" must
 #: also exceed that early level: a jump back towards it is the oscillation, not an explosion.
 _EARLY = EARLY_NORM
+#: The largest spike (log excess over the median) reported so far, per optimizer.
+_RECORD = "exploding_grad/record"
+#: How much larger than every spike reported before a later spike must be to be reported again.
+RECORD_FACTOR = 2.0
 #: With the loss 100x below its early median, a spike must exceed this many times the early norm.
 CONVERGED_FACTOR = 10.0
 
@@ -146,6 +150,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
     if any(_reasons(f, config) for f in recent):
         return []  # the same episode: reported already
+    if reasons == ["spike"]:
+        # Spikes of the same size recurring (a DQN's target-network sync, each curriculum stage): reported
+        # once; a later one only when it is RECORD_FACTOR x larger than every spike reported before.
+        record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
+        if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
+            return []
+        facts["reported_excess"] = facts["excess"]
     where, jump = _locate(stats, history, facts["layers"])
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
 
@@ -157,6 +168,10 @@ def remember(stats: StepStats, history: History) -> None:
         return
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
+    reported = facts.get("reported_excess")
+    if reported is not None:
+        records = history.memory.setdefault(_RECORD, {})
+        records[stats.optimizer_index] = max(reported, records.get(stats.optimizer_index, reported))
     early = history.memory.setdefault(_EARLY, {})
     if stats.optimizer_index not in early and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
         early[stats.optimizer_index] = facts["median"]

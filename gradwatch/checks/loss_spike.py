@@ -30,6 +30,9 @@ MIN_RELATIVE_SPREAD = 0.25
 REARM = 10
 
 _KEY = "loss_spike"
+_RECORD = "loss_spike/record"
+#: How much larger than every spike reported before a later spike must be to be reported again.
+RECORD_FACTOR = 2.0
 #: The median loss of the run's first ``MIN_HISTORY`` checked steps, and the fraction of it below which a
 #: change is never a spike.
 _EARLY = EARLY_LOSS
@@ -66,6 +69,13 @@ def check(stats: Any, history: History, config: Config) -> list[Finding]:
     if any(_spiking(f, config) for f in history.memory.get(_KEY, ())):
         return []
     loss, m, spread, n = facts
+    # Spikes of the same size recurring (a DQN's target-network sync): reported once; a later one only
+    # when it rises RECORD_FACTOR x higher above the median than every spike reported before.
+    size = loss - m  # in loss units: as the run settles its spread shrinks, a recurring jump does not
+    record = history.memory.get(_RECORD)
+    if isinstance(record, float) and size <= RECORD_FACTOR * record:
+        return []
+    stats.extra[_RECORD] = size
     return [
         Finding(
             kind="loss_spike",
@@ -86,6 +96,10 @@ def check(stats: Any, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: Any, history: History) -> None:
+    size = stats.extra.get(_RECORD)
+    if isinstance(size, float):
+        record = history.memory.get(_RECORD)
+        history.memory[_RECORD] = max(size, record) if isinstance(record, float) else size
     facts = _facts(stats, history)
     if stats.loss is None:
         return
