@@ -545,3 +545,36 @@ def test_recurring_spikes_of_the_same_size_are_reported_once() -> None:
     assert len([k for k, _ in spikes if k == "exploding_grad"]) <= 1, spikes
     assert len([k for k, _ in spikes if k == "loss_spike"]) <= 1, spikes
     assert spikes and all(s % 40 == 0 for _, s in spikes), spikes  # at a shift of the targets
+
+
+def test_a_head_used_on_some_steps_is_not_dead_with_zero_grad_keeping_zeros() -> None:
+    # zero_grad(set_to_none=False): an unused head keeps an all-zero .grad on the steps it is not used.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(8, 16), "main": nn.Linear(16, 2), "aux": nn.Linear(16, 2)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(80):
+            head = "aux" if step % 25 == 0 else "main"  # a small task in a mixed-task loader
+            x = torch.randn(32, 8, generator=g)
+            loss = nn.functional.cross_entropy(model[head](torch.relu(model["trunk"](x))), (x[:, 0] > 0).long())
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in gw.findings if f.kind == "dead_layer"] == []
+
+
+def test_dead_relu_layer_is_reported_with_zero_grad_keeping_zeros_too() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = batches()
+    with gradwatch.watch(model, opt, console=False, dead_steps=10) as gw:
+        for _ in range(20):
+            x, y = data()
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert [(f.step, f.data["layers"]) for f in gw.findings if f.kind == "dead_layer"] == [(9, ["0", "2"])]

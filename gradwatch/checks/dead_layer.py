@@ -9,6 +9,8 @@ step it reaches ``dead_steps``; again only after it came back to life and died a
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
@@ -16,9 +18,10 @@ from gradwatch.history import History
 from gradwatch.stats import StepStats, layer_key, layer_norms
 
 _KEY = "dead_layer"
+_VERSIONS = "dead_layer/grad_versions"
 
 
-def _zero_layers(stats: StepStats) -> tuple[dict[str, float], list[str]] | None:
+def _zero_layers(stats: StepStats, history: History) -> tuple[dict[str, float], list[str]] | None:
     if not stats.names or stats.is_nonfinite:
         return None
     if 0.0 not in stats.norms:  # a zero layer has zero norms: most steps end here
@@ -27,9 +30,46 @@ def _zero_layers(stats: StepStats) -> tuple[dict[str, float], list[str]] | None:
     zero = [k for k, v in layers.items() if v == 0.0]
     frozen = _frozen_layers(stats) if zero else set()
     zero = [k for k in zero if k not in frozen]  # frozen on purpose (requires_grad=False): not dead
+    unused = _unused_layers(stats, history, zero) if zero else set()
+    zero = [k for k in zero if k not in unused]  # no backward reached it: not used this step, not dead
     if not zero or not any(v > 0 and math.isfinite(v) for v in layers.values()):
         return layers, []
     return layers, zero
+
+
+def _grad_versions(stats: StepStats, layers: list[str]) -> dict[str, tuple[Any, int]]:
+    """The gradient (weakly) and its ``_version`` for each parameter of ``layers`` (name -> both)."""
+    params = stats.extra.get("params")
+    if not isinstance(params, list) or len(params) != len(stats.names):
+        return {}
+    wanted = set(layers)
+    out: dict[str, tuple[Any, int]] = {}
+    for p, n, m in zip(params, stats.names, stats.modules):
+        g = getattr(p, "grad", None)
+        if layer_key(m) in wanted and g is not None:
+            out[n] = (weakref.ref(g), g._version)
+    return out
+
+
+def _unused_layers(stats: StepStats, history: History, zero: list[str]) -> set[str]:
+    """Zero layers that no backward pass reached since the previous check: with
+    ``zero_grad(set_to_none=False)`` each step moves their gradient's version by the zeroing only (a head
+    or expert used on some steps), where a dead layer's moves once more (backward adds its zeros)."""
+    memory = history.memory.get(_VERSIONS, {}).get(stats.optimizer_index)
+    if not memory:
+        return set()
+    previous, last_step = memory
+    steps = max(1, stats.step - last_step)
+    now = _grad_versions(stats, zero)
+    unused = set()
+    for layer in zero:
+        names = [n for n, m in zip(stats.names, stats.modules) if layer_key(m) == layer]
+        if names and all(
+            n in previous and n in now and previous[n][0]() is now[n][0]() and now[n][1] - previous[n][1] <= steps
+            for n in names
+        ):  # the same gradient tensor (kept by zero_grad(set_to_none=False)), moved by the zeroing only
+            unused.add(layer)
+    return unused
 
 
 def _frozen_layers(stats: StepStats) -> set[str]:
@@ -46,7 +86,7 @@ def _frozen_layers(stats: StepStats) -> set[str]:
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    found = _zero_layers(stats)
+    found = _zero_layers(stats, history)
     if not found or not found[1]:
         return []
     layers, zero = found
@@ -78,10 +118,17 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    found = _zero_layers(stats)
+    found = _zero_layers(stats, history)
     if found is None:
         return
     layers, zero = found
+    # Versions of the zero layers' gradients, to tell an unused layer from a dead one at the next check.
+    all_zero = [k for k, v in layers.items() if v == 0.0]
+    versions = history.memory.setdefault(_VERSIONS, {})
+    if all_zero:
+        versions[stats.optimizer_index] = (_grad_versions(stats, all_zero), stats.step)
+    elif stats.optimizer_index in versions:
+        del versions[stats.optimizer_index]
     streaks = history.memory.setdefault(_KEY, {}).setdefault(stats.optimizer_index, {})
     if not zero and layers and not any(v > 0 for v in layers.values()):
         return  # every layer at zero: not counted either way
