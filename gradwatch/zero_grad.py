@@ -83,6 +83,7 @@ class _Tracker:
         # After the most recent accumulation.
         self.post_ref: weakref.ref[torch.Tensor] | None = None
         self.post_version = 0
+        self.post_ptr = 0  # its storage (``p.grad.data = summed`` keeps the tensor, swaps the storage)
         self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
         self.watch_after_backward = False  # queue post_nonzero (armed by a suspicious step)
         # Engine callbacks (single-optimizer runs): a backward pass reached the representative; its
@@ -139,6 +140,7 @@ class _Tracker:
             self.accumulated_at = self.steps() if self.steps is not None else -1
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
+            self.post_ptr = g.data_ptr() if not g.is_sparse else 0
             if self.on_backward is not None:
                 self.on_backward()
             if self.watch_after_backward and not g.is_sparse:
@@ -215,7 +217,10 @@ class ZeroGradTracker:
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
             # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
-            "last_backward_grad": g is not None and t.post_ref is not None and t.post_ref() is g,
+            "last_backward_grad": g is not None
+            and t.post_ref is not None
+            and t.post_ref() is g
+            and (g.is_sparse or g.data_ptr() == t.post_ptr),
         }
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)

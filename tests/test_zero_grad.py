@@ -435,7 +435,8 @@ def test_several_cleared_backward_passes_that_are_not_micro_batches_are_silent(p
     assert kinds(gw) == []
 
 
-def test_per_sample_gradients_assembled_by_hand_are_silent() -> None:
+@pytest.mark.parametrize("write", ["assign", "data"])
+def test_per_sample_gradients_assembled_by_hand_are_silent(write: str) -> None:
     # DP-SGD written by hand: one backward per sample, each clipped and summed, then put into .grad.
     torch.manual_seed(0)
     model = Net()
@@ -450,7 +451,10 @@ def test_per_sample_gradients_assembled_by_hand_are_silent() -> None:
                 for t, p in zip(total, model.parameters()):
                     t += p.grad
             for t, p in zip(total, model.parameters()):
-                p.grad = t / 4
+                if write == "assign":
+                    p.grad = t / 4
+                else:
+                    p.grad.data = t / 4  # the same tensor object, a new storage
             opt.step()
     assert kinds(gw) == []
 
