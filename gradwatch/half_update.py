@@ -99,6 +99,8 @@ class HalfUpdateGuard:
                         continue  # (before its first step the state is empty: known optimizers only)
                     # The optimizer's own float16 ops on a copy, so the rounding is the one it will do.
                     v = state.get(key)
+                    if isinstance(v, torch.Tensor) and v.dtype is not torch.float16:
+                        break  # its state is kept wider (float32): eps holds there
                     nxt = v.clone() if isinstance(v, torch.Tensor) and v.shape == g.shape else torch.zeros_like(p)
                     if decay != 1.0:
                         nxt.mul_(decay)
