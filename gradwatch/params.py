@@ -111,16 +111,18 @@ class ParamIndex:
                 )
             ]
         held = {id(p) for op in self.per_optimizer for p in op.params}
+        # Meta-device parameters hold no values and are never trained (a template for torch.func's
+        # functional_call / stack_module_state, whose real parameters the optimizer holds).
         self.not_in_optimizer: tuple[str, ...] = tuple(
-            n for n, p in self.model_params if p.requires_grad and id(p) not in held
+            n for n, p in self.model_params if p.requires_grad and id(p) not in held and not p.is_meta
         )
         # Model parameters no optimizer holds: if one of them becomes trainable later (a backbone
         # unfrozen after warm-up), ``not_in_optimizer`` must be re-checked. Counting requires_grad over
         # this list is the only per-step cost, and the list is empty when the optimizer holds everything.
-        self.unheld: list[torch.Tensor] = [p for _, p in self.model_params if id(p) not in held]
+        self.unheld: list[torch.Tensor] = [p for _, p in self.model_params if id(p) not in held and not p.is_meta]
         self.unheld_trainable = len(self.not_in_optimizer)
         #: Whether the model has any trainable parameter (else its optimizers train inputs: style transfer).
-        self.model_trainable = any(p.requires_grad for _, p in self.model_params)
+        self.model_trainable = any(p.requires_grad and not p.is_meta for _, p in self.model_params)
         # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
         # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
         self._alive = [p for _, p in self.model_params]

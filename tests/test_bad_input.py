@@ -420,3 +420,19 @@ def test_a_closed_run_keeps_nothing_of_its_model_alive() -> None:
     ref = run()
     gc.collect()
     assert ref() is None
+
+
+def test_a_meta_device_template_for_functional_call_is_not_reported() -> None:
+    # torch.func.functional_call with the real parameters in a dict the optimizer holds (stack_module_state
+    # style): the module is a template on the meta device, never trained itself.
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    params = {k: v.detach().clone().requires_grad_() for k, v in template.named_parameters()}
+    template = template.to("meta")
+    opt = torch.optim.Adam(params.values(), lr=1e-2)
+    gw = run(template, opt, lambda step: functional_call(template, params, (torch.randn(16, 8),)).pow(2).mean(),
+             steps=4)
+    assert gw.findings == []
+    assert gw.engine.index.unheld == []  # nothing to re-check on every step
