@@ -35,6 +35,8 @@ alone. DDP's all-reduce makes the gradients identical across ranks, so a decisio
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from typing import Any
 
 import torch
@@ -192,8 +194,6 @@ class RankAgreement:
 
     def _missing_peers(self, dist: Any) -> list[int]:
         """Ranks of the group with no live watcher, waiting up to PEER_WAIT seconds for late ones."""
-        import time
-
         store = self._store
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
         deadline = time.monotonic() + PEER_WAIT
@@ -216,8 +216,6 @@ class RankAgreement:
             return True
         if missing:
             self._solo = True
-            import warnings
-
             warnings.warn(
                 f"gradwatch: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
                 f"{'have' if len(missing) > 1 else 'has'} no gradwatch watcher, so this rank decides alone "

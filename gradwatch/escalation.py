@@ -1315,6 +1315,12 @@ _GENERIC_FIX = (
 )
 
 
+def _op_base(name: str) -> str:
+    """``"SubBackward0"`` -> ``"Sub"``, ``"torch.nn.functional.layer_norm"`` -> ``"Layer_norm"``."""
+    base = re.sub(r"Backward\d*$", "", name.rsplit(".", 1)[-1]).lstrip("_")
+    return re.sub(r"_$", "", base[:1].upper() + base[1:])
+
+
 def fix_for(op: str | None, forward_op: str | None = None) -> str:
     """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``)."""
     if op and re.fullmatch(r"[A-Za-z_]\w*Backward", op):  # a custom autograd.Function (no digit suffix)
@@ -1328,9 +1334,7 @@ def fix_for(op: str | None, forward_op: str | None = None) -> str:
     for name in (op, forward_op):
         if not name:
             continue
-        base = re.sub(r"Backward\d*$", "", name.rsplit(".", 1)[-1]).lstrip("_")
-        base = base[:1].upper() + base[1:]
-        base = re.sub(r"_$", "", base)
+        base = _op_base(name)
         for names, fix in _FIXES:
             if base in names or base.lower() in {n.lower() for n in names}:
                 return fix
@@ -1493,8 +1497,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     if result.surrogate and origin.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
     fix = fix_for(origin.op, origin.forward_op)
-    base = re.sub(r"Backward\d*$", "", origin.op or "")
-    if origin.phase == "forward" and base in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
+    if origin.phase == "forward" and _op_base(origin.op or "") in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
         fix = (
             "Inf - Inf is NaN: a row where every value is -inf (a fully masked row of a hand-written masked "
             "softmax, `scores - scores.max(-1, keepdim=True).values`): mask with torch.finfo(x.dtype).min "

@@ -593,21 +593,7 @@ class Localizer:
             fwd = saved.get(index)
             if result is None or not _bad(result) or fwd is None or _bad(fwd):
                 continue
-            node = self._nodes[index]
-            site = self._node_sites[index]
-            return Origin(
-                phase="loss",
-                op=node.name(),
-                forward_op=(site.func or None) if site else None,
-                module=site.module if site else None,
-                source=site.source if site else None,
-                code=site.code if site else None,
-                incoming={"forward_min_abs": fwd[2], "forward_max_abs": fwd[3], "forward_min": fwd[4],
-                          "forward_max": fwd[5]},
-                outgoing=_out(result),
-                traceback=_traceback(node),
-                forward_birth=True,
-            )
+            return self._node_origin(index, "loss", _forward_range({}, fwd), _out(result), forward_birth=True)
         return None
 
     def _backward_origin(
@@ -620,9 +606,7 @@ class Localizer:
                 continue
             if incoming is not None and _bad(incoming):
                 continue
-            node = self._nodes[index]
-            site = self._node_sites[index]
-            fwd = forward_inputs.get(node)
+            fwd = forward_inputs.get(self._nodes[index])
             outside = index in self._outside
             if outside and fwd is not None and _bad(fwd):
                 continue  # its forward inputs were already non-finite (a NaN target): passed on, not born
@@ -631,20 +615,34 @@ class Localizer:
             inc: dict[str, float] = {}
             if incoming is not None:
                 inc = {"min_abs": incoming[2], "max_abs": incoming[3]}
-            if fwd is not None:
-                inc.update(forward_min_abs=fwd[2], forward_max_abs=fwd[3], forward_min=fwd[4], forward_max=fwd[5])
-            return Origin(
-                phase="loss" if outside else "backward",
-                op=node.name(),
-                forward_op=(site.func or None) if site else None,
-                module=site.module if site else None,
-                source=site.source if site else None,
-                code=site.code if site else None,
-                incoming=inc,
-                outgoing=_out(produced),
-                traceback=_traceback(node),
-            )
+            return self._node_origin(index, "loss" if outside else "backward", _forward_range(inc, fwd), _out(produced))
         return None
+
+    def _node_origin(
+        self, index: int, phase: str, incoming: dict[str, float], outgoing: dict[str, Any], *, forward_birth: bool = False
+    ) -> Origin:
+        """An origin at recorded backward node ``index``, placed where its forward op ran."""
+        node = self._nodes[index]
+        site = self._node_sites[index]
+        return Origin(
+            phase=phase,
+            op=node.name(),
+            forward_op=(site.func or None) if site else None,
+            module=site.module if site else None,
+            source=site.source if site else None,
+            code=site.code if site else None,
+            incoming=incoming,
+            outgoing=outgoing,
+            traceback=_traceback(node),
+            forward_birth=forward_birth,
+        )
+
+
+def _forward_range(inc: dict[str, float], fwd: list[float] | None) -> dict[str, float]:
+    """``inc`` plus the range of a node's forward inputs (``forward_min_abs``... from a summary)."""
+    if fwd is not None:
+        inc.update(forward_min_abs=fwd[2], forward_max_abs=fwd[3], forward_min=fwd[4], forward_max=fwd[5])
+    return inc
 
 
 def _saved_inputs(node: Any) -> list[torch.Tensor]:

@@ -110,7 +110,7 @@ class ParamIndex:
                     [self.param_module[id(p)] for _, p in trainable],
                 )
             ]
-        held = {id(p) for op in self.per_optimizer for p in op.params}
+        self._held = held = {id(p) for op in self.per_optimizer for p in op.params}
         # Meta-device parameters hold no values and are never trained (a template for torch.func's
         # functional_call / stack_module_state, whose real parameters the optimizer holds).
         self.not_in_optimizer: tuple[str, ...] = tuple(
@@ -183,7 +183,7 @@ class ParamIndex:
         if self.model is None:
             return []
         known = set(self.param_name)
-        held = {id(p) for op in self.per_optimizer for p in op.params}
+        held = self._held
         wrappers = _module_wrappers(self.model)
         out: list[tuple[str, torch.Tensor, str]] = []
         seen: set[int] = set()

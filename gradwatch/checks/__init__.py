@@ -2,7 +2,9 @@
 
 Every module in this package defines ``check(stats, history, config) -> list[Finding]``; they are found
 and run in name order. Adding a check is adding one module (and one test file): nothing else changes.
-A check must not mutate ``stats`` or ``history`` (the engine records history after all checks ran).
+A check must not mutate ``stats`` or ``history`` (the engine records history after all checks ran), with
+one exception: it may leave a note for its own ``remember`` in ``stats.extra`` under a key of its own
+(what it reported, so ``remember``, which gets no config, need not decide again).
 """
 
 from __future__ import annotations

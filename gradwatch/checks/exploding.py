@@ -156,7 +156,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
         if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
             return []
-        facts["reported_excess"] = facts["excess"]
+        stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
     where, jump = _locate(stats, history, facts["layers"])
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
 
@@ -168,8 +168,8 @@ def remember(stats: StepStats, history: History) -> None:
         return
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
-    reported = facts.get("reported_excess")
-    if reported is not None:
+    reported = stats.extra.get(_RECORD)
+    if isinstance(reported, float):
         records = history.memory.setdefault(_RECORD, {})
         records[stats.optimizer_index] = max(reported, records.get(stats.optimizer_index, reported))
     early = history.memory.setdefault(_EARLY, {})
