@@ -439,6 +439,33 @@ def test_near_zero_heavy_tailed_loss_is_not_a_spike() -> None:
     assert [f for f in gw.findings if f.kind == "loss_spike"] == []
 
 
+def test_hard_batch_of_an_easy_task_is_not_a_spike() -> None:
+    """Two well-separated classes with a few points near the boundary: the loss falls from 0.9 to ~1e-5
+    within an epoch, and the batch that holds a boundary point sits at 0.01-0.08, 50x its median but far
+    below where the run started. Healthy; it was reported as a loss spike."""
+    torch.manual_seed(0)
+    n = 4096
+    y = torch.randint(0, 2, (n,))
+    x = torch.randn(n, 2) + (y.float()[:, None] * 2 - 1) * 2.5
+    model = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(3):
+            perm = torch.randperm(n)
+            for i in range(0, n, 32):
+                idx = perm[i : i + 32]
+                loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+                gw.observe_loss(loss)
+                losses.append(loss.item())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    recent = sorted(losses[100:])
+    assert recent[len(recent) // 2] < 1e-3 and max(losses[60:]) > 0.03  # the shape described above
+    assert [f for f in gw.findings if f.kind == "loss_spike"] == [], magnitude(gw)
+
+
 def test_config_rejects_a_bad_update_ratio_band() -> None:
     with pytest.raises(ValueError, match=r"update_ratio_band=\(0.1, 0.001\)"):
         gradwatch.Config(update_ratio_band=(0.1, 0.001))

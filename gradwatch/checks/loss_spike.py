@@ -5,8 +5,9 @@ than ``spike_factor`` robust spreads above its median over the last ``window`` c
 is the largest of: the MAD scaled to a standard deviation, the distance from the median to the 90th
 percentile (losses close to zero are heavy-tailed: a few batches at 10x the median are normal), and a
 quarter of the median's size (so a run whose loss has flattened does not flag ordinary batch noise), and
-a hundredth of the run's early median loss (a run that converged by orders of magnitude wiggles far
-below where it started; a spike must reach a tenth of the early loss). Waits for 20 losses of history; a
+a twentieth of the run's starting loss (the 90th percentile of its first 20 losses: a run that converged
+by orders of magnitude wiggles far below where it started, and a hard batch of an easy task is no spike;
+a spike must climb back to half the starting loss). Waits for 20 losses of history; a
 persisting spike is reported once, and again only after 10 checked steps without one. Decreases never
 count.
 """
@@ -33,10 +34,13 @@ _KEY = "loss_spike"
 _RECORD = "loss_spike/record"
 #: How much larger than every spike reported before a later spike must be to be reported again.
 RECORD_FACTOR = 2.0
-#: The median loss of the run's first ``MIN_HISTORY`` checked steps, and the fraction of it below which a
-#: change is never a spike.
+#: Shared with the other checks: the median loss of the run's first ``MIN_HISTORY`` checked steps.
 _EARLY = EARLY_LOSS
-EARLY_FRACTION = 1e-2
+#: The run's starting loss (90th percentile of its first ``MIN_HISTORY`` checked losses: a loss that falls
+#: within those steps is measured where it started), and the fraction of it below which a change is never a
+#: spike.
+_START = "loss_spike/start"
+START_FRACTION = 5e-2
 
 
 @once_per_check
@@ -51,8 +55,8 @@ def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | No
     # recent losses is part of their normal range, so the spread is at least 90th percentile - median.
     tail = quantile(history.losses, 0.9) - m
     # A run that converged by orders of magnitude: wiggles far below its early losses are not spikes.
-    early = history.memory.get(_EARLY)
-    floor = EARLY_FRACTION * abs(early) if isinstance(early, float) else 0.0
+    start = history.memory.get(_START)
+    floor = START_FRACTION * abs(start) if isinstance(start, float) else 0.0
     spread = max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), floor, 1e-12)
     return loss, m, spread, len(history.losses)
 
@@ -108,3 +112,5 @@ def remember(stats: Any, history: History) -> None:
         recent.append(facts)
         if _EARLY not in history.memory:
             history.memory[_EARLY] = float(facts[1])
+        if _START not in history.memory:
+            history.memory[_START] = float(quantile(history.losses, 0.9))
