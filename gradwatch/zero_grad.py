@@ -30,6 +30,13 @@ that came after the last backward (``zero_grad(set_to_none=False)`` called betwe
 value right after backward: once a step looks like that, the post-accumulate hook queues one lazy scalar
 per backward until a step no longer does, so such a finding comes one step later.
 
+``zero_grad_in_accumulation`` needs the step's gradient to be the last backward pass's. Clipping or
+unscaling it in place after that pass keeps it so; writing other values into it (``p.grad.copy_(summed)``
+in a DP-SGD loop written by hand) does not. Once a step had 3+ backward passes each clearing the one before,
+one parameter with at least 16 elements gets a third hook (until a step no longer has them), which keeps a
+16-element strided sample of its gradient after each backward pass; a step whose gradient changed in place
+after its last pass queues one lazy flag: is it still a multiple of that sample?
+
 With one optimizer the same two hooks also tell the engine which observed losses belong to the
 step: a backward pass that finds the gradient cleared since the previous backward pass (``zero_grad``
 with no optimizer step in between: a batch the training code skipped, or one a GradScaler dropped)
@@ -37,7 +44,8 @@ moves the losses observed up to that previous pass aside, so they never decide t
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
 backward passes counted, state, the step of the previous check), ``"zero_grad_missing"``,
-``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools).
+``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
+in ``"zero_grad"`` turns False after the sync when the gradient was rewritten after the last pass.
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
 """
 
@@ -62,6 +70,26 @@ REPICK_EVERY = 50
 
 _SLOT_ZERO = "zero_grad/old_grad_zero"
 _SLOT_NONZERO = "zero_grad/after_backward_nonzero"
+_SLOT_REWRITTEN = "zero_grad/rewritten_after_backward"
+#: Backward passes per step, each clearing the one before, that arm the sampling (as the check's minimum).
+SAMPLE_PASSES = 3
+#: Elements sampled from the representative's gradient after each backward pass, while armed.
+SAMPLE = 16
+
+
+def _sample(g: torch.Tensor) -> torch.Tensor | None:
+    """A strided copy of at most SAMPLE elements (none for sparse or non-contiguous gradients)."""
+    if g.is_sparse or not g.is_contiguous() or g.numel() == 0:
+        return None
+    flat = g.detach().view(-1)
+    return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].float().clone()
+
+
+def _rewritten(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Device flag: ``now`` is not a multiple of ``before`` (clipping and unscaling only scale)."""
+    scale = torch.dot(now, before) / torch.dot(before, before).clamp_min(1e-30)
+    residual = torch.linalg.vector_norm(now - scale * before)
+    return (residual > 1e-3 * torch.linalg.vector_norm(now)).reshape(1)
 
 
 class _Tracker:
@@ -86,6 +114,11 @@ class _Tracker:
         self.post_ptr = 0  # its storage (``p.grad.data = summed`` keeps the tensor, swaps the storage)
         self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
         self.watch_after_backward = False  # queue post_nonzero (armed by a suspicious step)
+        # Armed by a step of cleared backward passes: a parameter of SAMPLE+ elements, and its gradient
+        # after the latest backward pass (reference, version, storage, SAMPLE elements of it).
+        self.sampled: torch.Tensor | None = None
+        self.sample_handle: Any = None
+        self.sample_of: tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor] | None = None
         # Engine callbacks (single-optimizer runs): a backward pass reached the representative; its
         # gradient was cleared since the previous backward pass.
         self.on_backward: Any = None
@@ -150,6 +183,42 @@ class _Tracker:
         except Exception as exc:  # noqa: BLE001
             internal_warning("zero_grad accumulate hook", exc)
 
+    def after_sampled_accumulate(self, param: torch.Tensor) -> None:
+        try:
+            g = param.grad
+            sample = _sample(g) if g is not None else None
+            self.sample_of = (weakref.ref(g), g._version, g.data_ptr(), sample) if sample is not None else None
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("zero_grad sample hook", exc)
+
+    def arm_sampling(self, armed: bool, params: list[torch.Tensor]) -> None:
+        if not armed:
+            if self.sample_handle is not None:
+                self.sample_handle.remove()
+            self.sampled = self.sample_handle = self.sample_of = None
+            return
+        if self.sampled is not None:
+            return
+        p = next((p for p in params if p.is_leaf and p.numel() >= SAMPLE), None)
+        if p is not None and hasattr(p, "register_post_accumulate_grad_hook"):
+            self.sampled = p
+            self.sample_handle = p.register_post_accumulate_grad_hook(self.after_sampled_accumulate)
+
+    def rewritten(self) -> bool | torch.Tensor | None:
+        """Since the sampled parameter's latest backward pass: True if its gradient was replaced, a device
+        flag if it changed in place (not a multiple of the sample), None if unchanged or unknown."""
+        kept, p = self.sample_of, self.sampled
+        if kept is None or p is None:
+            return None
+        ref, version, ptr, before = kept
+        g = p.grad
+        if g is None or g is not ref() or g.data_ptr() != ptr:
+            return True
+        if g._version == version:
+            return None
+        now = _sample(g)
+        return _rewritten(now, before) if now is not None and now.shape == before.shape else None
+
     def hook(self, param: torch.Tensor, name: str) -> None:
         self.unhook()
         self.rep = param
@@ -164,6 +233,7 @@ class _Tracker:
             h.remove()
         self.handles = []
         self.rep = None
+        self.arm_sampling(False, [])
 
 
 class ZeroGradTracker:
@@ -239,6 +309,16 @@ class ZeroGradTracker:
                 facts["changed_after_backward"] = True
                 if t.post_nonzero is not None:
                     ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
+        if facts["last_backward_grad"]:
+            rewritten = t.rewritten()
+            if rewritten is True:
+                facts["last_backward_grad"] = False
+            elif isinstance(rewritten, torch.Tensor):
+                ctx.slots[_SLOT_REWRITTEN] = ctx.batch.add(rewritten)
+        passes = stats.extra.get("backward_passes")
+        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] == passes[0] - 1
+        t.arm_sampling(armed, ctx.params)
+        t.sample_of = None
         if t.model_param is not None:
             mg = t.model_param.grad
             facts["model_grad_replaced"] = mg is None or t.model_ref is None or mg is not t.model_ref()
@@ -295,6 +375,10 @@ class ZeroGradTracker:
             values = values if values is not None else ctx.batch.resolve()
             if suspicious and bool(values[ctx.slots[_SLOT_NONZERO]][0]):
                 stats.extra["grads_cleared_before_step"] = True
+        if _SLOT_REWRITTEN in ctx.slots:
+            values = values if values is not None else ctx.batch.resolve()
+            if bool(values[ctx.slots[_SLOT_REWRITTEN]][0]):
+                facts["last_backward_grad"] = False  # other values were written into it: not that pass's
         if tracker is not None:
             tracker.watch_after_backward = suspicious
 
@@ -307,3 +391,4 @@ class ZeroGradTracker:
             t.post_ref = None
             t.old_nonzero = []
             t.post_nonzero = None
+            t.arm_sampling(False, [])

@@ -342,17 +342,19 @@ def test_intentional_accumulation_over_several_backward_calls_is_silent() -> Non
 
 # The accumulation pattern of https://discuss.pytorch.org/t/pytorch-gradient-accumulation/55955 with
 # zero_grad() moved into the micro-batch loop: only the last micro-batch reaches each update.
-@pytest.mark.parametrize("where", ["before_backward", "after_each_micro_batch"])
+@pytest.mark.parametrize("where", ["before_backward", "after_each_micro_batch", "clipped_before_step"])
 def test_zero_grad_inside_the_accumulation_loop_is_flagged(where: str) -> None:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with gradwatch.watch(model, opt, console=False) as gw:
         for i, x in enumerate(batches(16)):
-            if where == "before_backward":
+            if where != "after_each_micro_batch":
                 opt.zero_grad()
             (model(x).pow(2).mean() / 4).backward()
             if i % 4 == 3:
+                if where == "clipped_before_step":  # scales the last pass's gradient in place: still its
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
                 opt.step()
             if where == "after_each_micro_batch":
                 opt.zero_grad()
@@ -435,7 +437,7 @@ def test_several_cleared_backward_passes_that_are_not_micro_batches_are_silent(p
     assert kinds(gw) == []
 
 
-@pytest.mark.parametrize("write", ["assign", "data"])
+@pytest.mark.parametrize("write", ["assign", "data", "copy", "copy_unclipped_passes"])
 def test_per_sample_gradients_assembled_by_hand_are_silent(write: str) -> None:
     # DP-SGD written by hand: one backward per sample, each clipped and summed, then put into .grad.
     torch.manual_seed(0)
@@ -447,14 +449,20 @@ def test_per_sample_gradients_assembled_by_hand_are_silent(write: str) -> None:
             for row in x[:4]:
                 opt.zero_grad()
                 model(row[None]).pow(2).mean().backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if write == "copy_unclipped_passes":  # clip factor folded into the sum, .grad untouched
+                    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+                    coef = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+                else:
+                    coef = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).new_ones(())
                 for t, p in zip(total, model.parameters()):
-                    t += p.grad
+                    t += p.grad * coef
             for t, p in zip(total, model.parameters()):
                 if write == "assign":
                     p.grad = t / 4
-                else:
+                elif write == "data":
                     p.grad.data = t / 4  # the same tensor object, a new storage
+                else:  # the last pass's tensor, its values overwritten
+                    p.grad.copy_(t / 4 + 0.01 * torch.randn_like(t))
             opt.step()
     assert kinds(gw) == []
 
