@@ -101,12 +101,13 @@ class _Call:
     tensor that is non-finite when the gradient was (read on an incident only).
     """
 
-    __slots__ = ("args", "kwargs", "autocast", "grads", "sums", "nodes", "losses", "held", "__weakref__")
+    __slots__ = ("args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "losses", "held", "__weakref__")
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
         self.args = args
         self.kwargs = kwargs
         self.autocast = autocast
+        self.rng = _rng_state()  # the replay draws the same dropout masks and random ops
         self.grads: dict[int, torch.Tensor] = {}
         self.sums: list[torch.Tensor] = []
         self.nodes: tuple[Any, ...] = ()
@@ -189,6 +190,7 @@ class _Batch:
         self.pl_module = pl_module
         #: The (detached) losses observed for this batch, read on an incident only.
         self.losses: list[torch.Tensor] = []
+        self.rng = _rng_state()
 
 
 class Escalation:
@@ -754,6 +756,7 @@ class Escalation:
             warnings.simplefilter("always")
             with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=True), _autocast(call.autocast):
                 args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+                _set_rng_state(call.rng)
                 loc.start()
                 try:
                     output = model(*args, **kwargs)
@@ -803,6 +806,7 @@ class Escalation:
             warnings.simplefilter("always")
             with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=True):
                 batch = tree_map(_replay_input, src.batch)
+                _set_rng_state(src.rng)
                 losses: list[torch.Tensor] = []
                 with _lightning_guards(pl_module, losses), _train_step_context(src.trainer):
                     loc.start()
@@ -990,6 +994,30 @@ def _preserved(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The random number generators' state as a forward starts (CPU, and the current CUDA device's): ~1 us,
+    no sync. A replay restores it, so it draws the dropout masks and random ops that step drew."""
+    try:
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state()
+        return torch.get_rng_state(), cuda
+    except Exception:  # noqa: BLE001 - a replay without it draws fresh random numbers
+        return None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+    """Inside :func:`_preserved` (which puts the user's state back afterwards)."""
+    if state is None:
+        return
+    try:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+    except Exception as exc:  # noqa: BLE001
+        internal_warning("replay random state", exc)
 
 
 def _replay_input(v: Any) -> Any:

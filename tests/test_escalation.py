@@ -835,3 +835,52 @@ def test_a_model_returning_a_dataclass_gets_its_backward_nan_origin() -> None:
             opt.step()
     found = [(f.step, f.op, f.data["phase"]) for f in gw.findings if f.kind == "nan_origin"]
     assert found == [(3, "SqrtBackward0", "backward")]
+
+
+class _WordDropoutBag(nn.Module):
+    """Word dropout inside the model, averaged over the kept tokens: 0/0 when every token is dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        keep = (torch.rand(tok.shape) > 0.5).float().unsqueeze(-1)
+        return self.head((self.emb(tok) * keep).sum(1) / keep.sum(1))
+
+
+def _word_dropout_run(watch: bool) -> tuple[list[Any], list[bool], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(4)  # step 0 drops every token of a sample; a fresh mask would not (the replay said "loss")
+    model = _WordDropoutBag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(0)
+    nan_outputs = []
+    gw = gradwatch.watch(model, opt, console=False, max_skips=None) if watch else None
+    for _ in range(4):
+        out = model(torch.randint(0, 20, (2, 3), generator=data))
+        nan_outputs.append(not bool(torch.isfinite(out).all()))
+        loss = nn.functional.cross_entropy(out, torch.randint(0, 2, (2,), generator=data))
+        if gw is not None:
+            gw.observe_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        if gw is not None or not nan_outputs[-1]:
+            opt.step()  # unwatched: the same skip by hand, to compare the runs
+    if gw is not None:
+        gw.close()
+    return (gw.findings if gw else []), nan_outputs, torch.rand(3), model.head.weight.detach().clone()
+
+
+# The mask-count NaN of https://github.com/allenai/OLMo-core/pull/452: a random mask that drops everything.
+def test_a_nan_from_a_random_mask_in_the_forward_is_replayed_with_the_same_mask() -> None:
+    findings, nan_outputs, after_rng, weight = _word_dropout_run(watch=True)
+    assert nan_outputs[0]  # the model's own output went NaN at step 0 (all tokens of a sample dropped)
+    origin = [f for f in findings if f.kind == "nan_origin" and f.step == 0]
+    assert len(origin) == 1, [(f.kind, f.step, f.message[:200]) for f in findings]
+    assert origin[0].data["phase"] == "forward" and origin[0].op == "DivBackward0", origin[0].message
+    assert "born in the loss" not in origin[0].message
+    # The replay drew its random numbers from a saved state: the run's own random stream is untouched.
+    _, bare_nan, bare_rng, bare_weight = _word_dropout_run(watch=False)
+    assert nan_outputs == bare_nan
+    assert torch.equal(after_rng, bare_rng) and torch.equal(weight, bare_weight)
