@@ -269,6 +269,16 @@ class Engine:
             self.index.rebuild()
         return changed
 
+    def _unheld_with_grads(self) -> tuple[str, ...]:
+        """Trainable model parameters no watched optimizer holds that the backward reached. Those it did not
+        reach are no forgotten layer: an EMA/mean teacher left requires_grad=True, run under no_grad and
+        updated by hand (had it been trained, they would have gradients now)."""
+        names = self.index.not_in_optimizer
+        if not names:
+            return ()
+        wanted = set(names)
+        return tuple(n for n, p in self.index.model_params if n in wanted and p.grad is not None)
+
     # -- the step ----------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Remember a loss of the current step (no sync: read with the step's statistics)."""
@@ -370,7 +380,7 @@ class Engine:
             names=gnames,
             modules=gmods,
             none_grad=tuple(none),
-            not_in_optimizer=self.index.not_in_optimizer,
+            not_in_optimizer=self._unheld_with_grads() if self._first_check[opt_index] or changed else (),
             params_changed=changed,
             foreign=tuple(op.foreign) if self.index.model_trainable else (),
             first_check=self._first_check[opt_index],

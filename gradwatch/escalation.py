@@ -107,7 +107,9 @@ class _Call:
         self.args = args
         self.kwargs = kwargs
         self.autocast = autocast
-        self.rng = _rng_state()  # the replay draws the same dropout masks and random ops
+        # The replay draws the same dropout masks and random ops (not inside a torch.compile trace: reading
+        # the generator there is a graph break; a compiled model's replay then draws fresh numbers).
+        self.rng = None if torch.compiler.is_compiling() else _rng_state()
         self.grads: dict[int, torch.Tensor] = {}
         self.sums: list[torch.Tensor] = []
         self.nodes: tuple[Any, ...] = ()

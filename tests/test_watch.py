@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import io
 import json
@@ -231,6 +232,55 @@ def test_parameter_left_out_of_the_optimizer_is_named():
     assert len(found) == 1
     assert found[0].step == 0
     assert set(found[0].params) == {"encoder.0.weight", "encoder.0.bias"}
+
+
+class _MeanTeacher(nn.Module):
+    """Mean teacher / BYOL: the teacher is a deepcopy of the student, requires_grad left True, run under
+    no_grad and moved by an EMA of the student after each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.teacher = copy.deepcopy(self.student)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            t = self.teacher(x)
+        return self.student(x), t
+
+
+def test_ema_teacher_outside_the_optimizer_is_silent():
+    torch.manual_seed(0)
+    model = _MeanTeacher()
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.05, momentum=0.9)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(30):
+            s, t = model(torch.randn(16, 8))
+            loss = (s - t).pow(2).mean() + s.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for pt, ps in zip(model.teacher.parameters(), model.student.parameters()):
+                    pt.mul_(0.99).add_(ps, alpha=0.01)
+    assert gw.findings == []
+
+
+def test_teacher_that_gets_gradients_outside_the_optimizer_is_named():
+    # The same teacher run with grad enabled: its gradients are computed and never used.
+    torch.manual_seed(0)
+    model = _MeanTeacher()
+    model.forward = lambda x: (model.student(x), model.teacher(x))  # type: ignore[method-assign]
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(3):
+            s, t = model(torch.randn(16, 8))
+            loss = (s - t).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
+    assert [f.step for f in found] == [0] and found[0].params[0].startswith("teacher.")
 
 
 def test_head_swapped_after_the_optimizer_is_found_at_that_step():
