@@ -420,7 +420,20 @@ def _fisher_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) 
     model(x).pow(2).mean().backward()
 
 
-@pytest.mark.parametrize("pattern", ["pgd", "per_term_logging", "pcgrad_copy", "fisher_every_step"])
+def _per_task_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    # Multi-task PCGrad (WeiChengTseng/Pytorch-PCGrad style): one batch per task, each task's gradient
+    # collected with zero_grad + backward, the earlier tasks' then added into .grad in place.
+    grads = []
+    for k in range(3):
+        opt.zero_grad()
+        model(x + k).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.grad.add_(grads[0][i] + grads[1][i])
+
+
+@pytest.mark.parametrize("pattern", ["pgd", "per_term_logging", "pcgrad_copy", "fisher_every_step", "per_task_add"])
 def test_several_cleared_backward_passes_that_are_not_micro_batches_are_silent(pattern: str) -> None:
     torch.manual_seed(0)
     model = Net()
@@ -431,6 +444,8 @@ def test_several_cleared_backward_passes_that_are_not_micro_batches_are_silent(p
                 _pgd_step(model, opt, x)
             elif pattern == "fisher_every_step":
                 _fisher_step(model, opt, x)
+            elif pattern == "per_task_add":
+                _per_task_step(model, opt, x)
             else:
                 _per_term_step(model, opt, x, "sum_backward" if pattern == "per_term_logging" else "copy")
             opt.step()
