@@ -779,7 +779,30 @@ def _backward_twice(ctx: _Context) -> Finding:
         ),
     ]
     module = None
-    if old_edges:
+    prev = ctx.tracer.prev_step_seq if ctx.tracer is not None else None
+    several = len(getattr(ctx.engine, "optimizers", ()) or ()) > 1
+    if old_edges and several and all((_seq(o) or -1) >= (prev or 0) for _c, o, _d in old_edges):
+        # Built after the check before the last one: in this iteration, before another optimizer's step.
+        consumer, old, _depth = old_edges[0]
+        old_module = _upstream_param(ctx, old)
+        module = ctx.display_module(old_module[1]) if old_module else None
+        through = f" (from module {module})" if module else ""
+        lines.insert(
+            1,
+            f"Cause: this backward() reached a part of the graph{through} that an earlier backward() of this "
+            "same iteration, before another optimizer's step(), already went through and freed. With several "
+            "optimizers this is typically a GAN whose discriminator loss uses the generator's output without "
+            ".detach(): lossD.backward() backpropagates into the generator and frees its graph, then the "
+            f"generator's loss needs that graph again (it enters at {consumer.name()}).",
+        )
+        data.update(cause="freed_by_other_optimizer", enters_at=consumer.name())
+        fix = (
+            "Fix: build the discriminator's loss on the detached sample, `D(fake.detach())`, and keep `D(fake)` "
+            "for the generator's loss: lossD.backward() then stops at the sample and no longer writes gradients "
+            "into the generator either. If both losses must go through that part, call the first backward() "
+            "with retain_graph=True."
+        )
+    elif old_edges:
         consumer, old, depth = old_edges[0]
         old_module = _upstream_param(ctx, old)
         at_loss = depth <= 1

@@ -137,6 +137,8 @@ class ForwardTracer:
         last_forward_grad_enabled: Grad mode during the most recent watched forward (every step; cheap).
         step_seq: Autograd sequence number at the most recent check: nodes numbered below it belong to
             graphs built before that optimizer step.
+        prev_step_seq: The same at the check before (with several optimizers, nodes numbered between the
+            two were built in the current iteration, before another optimizer's step).
     """
 
     def __init__(self, integration: str = "plain") -> None:
@@ -149,6 +151,7 @@ class ForwardTracer:
         self.last_forward_grad_enabled: bool | None = None
         self.last_forward_inference: bool = False
         self.step_seq: int | None = None
+        self.prev_step_seq: int | None = None
         self._first_forwards = 0  # traced forwards of the first step; MAX_FIRST_FORWARDS once it is over
         self._handles: list[Any] = []
         self._trace_handles: list[Any] = []
@@ -338,7 +341,7 @@ class ForwardTracer:
         # The first watched step reached its update: from now on only escalation traces.
         self._first_forwards = MAX_FIRST_FORWARDS
         # Autograd nodes numbered below this were created before this update (an earlier step's graph).
-        self.step_seq = next_sequence_nr()
+        self.prev_step_seq, self.step_seq = self.step_seq, next_sequence_nr()
         if self._mode is None and self.traced_step:
             self._clear()
             self.traced_step = False

@@ -275,6 +275,53 @@ def test_backward_twice_from_a_carried_hidden_state() -> None:
     assert "retain_graph" in f.message
 
 
+def test_backward_twice_with_two_optimizers_still_says_carried_state() -> None:
+    # Encoder and decoder optimizers stepping back to back: the hidden state of the previous iteration.
+    torch.manual_seed(0)
+    model = Recurrent()
+    opts = [torch.optim.SGD(model.rnn.parameters(), lr=0.01), torch.optim.SGD(model.head.parameters(), lr=0.01)]
+    h = torch.zeros(4, 6)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with gradwatch.watch(model, opts, console=False) as gw:
+            for _ in range(3):
+                h = model.rnn(torch.randn(4, 4), h)  # not detached
+                for o in opts:
+                    o.zero_grad()
+                model.head(h).pow(2).mean().backward()
+                for o in opts:
+                    o.step()
+    f = only(gw, "backward_twice")
+    assert f.data["cause"] == "carried_state" and f.module == "rnn"
+
+
+# The GAN of https://github.com/pytorch/examples/issues/116 with the discriminator's loss built on `fake`
+# without .detach(): lossD.backward() frees the generator's graph before lossG.backward() needs it.
+def test_backward_twice_in_a_gan_without_detach_says_detach_the_fake_sample() -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    gan = nn.ModuleDict({"G": gen, "D": disc})
+    bce = nn.BCEWithLogitsLoss()
+    opt_d = torch.optim.Adam(disc.parameters(), 2e-4)
+    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as raised:
+        with gradwatch.watch(gan, [opt_d, opt_g], console=False) as gw:
+            for _ in range(3):
+                real, fake = torch.randn(16, 8), gen(torch.randn(16, 4))
+                opt_d.zero_grad()
+                loss_d = bce(disc(real), torch.ones(16, 1)) + bce(disc(fake), torch.zeros(16, 1))
+                loss_d.backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                bce(disc(fake), torch.ones(16, 1)).backward()
+                opt_g.step()
+    assert type(raised.value) is RuntimeError
+    f = only(gw, "backward_twice")
+    assert f.data["cause"] == "freed_by_other_optimizer"
+    assert f.module == "G.2"
+    assert "D(fake.detach())" in f.message and "hidden.detach()" not in f.message
+
+
 def test_backward_twice_from_a_tensor_computed_from_parameters_before_the_loop_says_recompute() -> None:
     # Normalized prototypes computed once before the loop: detaching them (the hidden-state fix) would stop
     # the prototypes from training.
