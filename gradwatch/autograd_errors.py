@@ -177,12 +177,22 @@ class _Context:
     step: int
     tracer: ForwardTracer | None
     frames: list[Any] = field(default_factory=list)
+    #: The line each frame raised at (``frame.f_lineno`` moves on: a ``with`` block's frame is at the ``with``).
+    lines: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tb = self.exc.__traceback__
         while tb is not None:
             self.frames.append(tb.tb_frame)
+            self.lines[id(tb.tb_frame)] = tb.tb_lineno
             tb = tb.tb_next
+
+    def source_of(self, frame: Any) -> str:
+        """``file:line: code`` of a frame of the traceback, at the line it raised from."""
+        fname = frame.f_code.co_filename
+        lineno = self.lines.get(id(frame), frame.f_lineno)
+        line = linecache.getline(fname, lineno).strip()
+        return f"{fname}:{lineno}: {line}" if line else f"{fname}:{lineno}"
 
     @property
     def index(self) -> Any:
@@ -255,13 +265,6 @@ def _with_line(source: str | None) -> str | None:
     fname, _, lineno = source.rpartition(":")
     line = linecache.getline(fname, int(lineno)).strip() if lineno.isdigit() else ""
     return f"{source}: {line}" if line else source
-
-
-def _source_of(frame: Any) -> str:
-    fname = frame.f_code.co_filename
-    line = linecache.getline(fname, frame.f_lineno).strip()
-    where = f"{fname}:{frame.f_lineno}"
-    return f"{where}: {line}" if line else where
 
 
 def _walk(roots: list[torch.Tensor]) -> Iterator[tuple[Any, int]]:
@@ -690,7 +693,7 @@ def _raising_module(ctx: _Context) -> tuple[str | None, str | None]:
                 module = name
                 break
     users = ctx.user_frames()
-    source = _source_of(users[-1]) if users else None
+    source = ctx.source_of(users[-1]) if users else None
     return module, source
 
 
@@ -721,6 +724,23 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
                 f"Fix: use the out-of-place op on the view (e.g. `a = a.sigmoid()` instead of `a.sigmoid_()`, "
                 f"`a = a * 2` instead of `a *= 2`), or take a copy first (`a = a.clone()`), or apply the op to the "
                 f"whole tensor before {multi}."
+            ),
+        ]
+    elif "leaf Variable that requires grad" in text:
+        op = None
+        lines = [
+            f"an in-place change of a leaf tensor that requires grad (a parameter) failed at step {ctx.step}: {text}",
+            f"Where: {'the forward of module ' + shown if shown else 'outside the model'}"
+            + (f", at {source}" if source else "")
+            + ".",
+            (
+                "Why it matters: with gradient tracking on, an in-place write to a parameter would become part of "
+                "the graph; PyTorch refuses. A hand-written update (`p -= lr * p.grad`) or a weight "
+                "initialization must not be recorded."
+            ),
+            (
+                "Fix: run it under `with torch.no_grad():` (e.g. `with torch.no_grad(): p -= lr * p.grad`), or "
+                "use the in-place init functions of torch.nn.init, which do that for you."
             ),
         ]
     else:

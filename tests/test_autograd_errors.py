@@ -210,6 +210,30 @@ def test_view_modified_inplace_during_forward_names_the_module_and_line() -> Non
     assert "split()/chunk()" in f.message
 
 
+def test_view_modified_inplace_in_the_training_loop_names_that_line_not_the_with() -> None:
+    model = nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        with gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), console=False) as gw:
+            mu, logvar = model(torch.randn(16, 8)).chunk(2, dim=1)
+            logvar.exp_()  # refused: a view of chunk()
+    f = only(gw, "inplace_error")
+    assert f.data["source"].endswith("logvar.exp_()  # refused: a view of chunk()"), f.data["source"]
+
+
+def test_hand_written_update_outside_no_grad_says_wrap_it_in_no_grad() -> None:
+    model = nn.Linear(8, 1)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        with gradwatch.watch(model, console=False) as gw:
+            for _ in range(2):
+                nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1)).backward()
+                if gw.check():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad  # outside torch.no_grad()
+    f = only(gw, "inplace_error")
+    assert "p -= 0.1 * p.grad  # outside torch.no_grad()" in f.data["source"]
+    assert "with torch.no_grad(): p -= lr * p.grad" in f.message and "forward failed" not in f.message
+
+
 def test_view_modified_inplace_in_steady_state_names_the_module() -> None:
     torch.manual_seed(0)
     model = SplitNet()
