@@ -95,6 +95,10 @@ class Watcher:
         # and the furthest such step reached (an optimizer re-created each epoch is freed with its epoch).
         self._unwatched: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
         self._unwatched_reach = 0
+        # The latest unwatched optimizer's parameters and [first step, steps taken] (kept past its death), and
+        # how many in a row were replaced by a new one over the same parameters after a single step.
+        self._last_unwatched: tuple[tuple[str, ...], list[int]] | None = None
+        self._recreated = 0
         self._in_watched_step = False
         if optimizers:
             # A process-wide hook: it holds the watcher weakly, and is removed when the watcher is closed or
@@ -200,8 +204,16 @@ class Watcher:
                 if id(p) in owned and p.requires_grad
             ]
             if names:
-                self._unwatched[optimizer] = [step, 1]
+                seen = self._unwatched[optimizer] = [step, 1]
                 self._unwatched_reach = max(self._unwatched_reach, step + 1)
+                last, self._last_unwatched = self._last_unwatched, (tuple(names), seen)
+                if last is not None and last[0] == tuple(names) and last[1][1] == 1:
+                    # Its predecessor over the same parameters took one step: one new optimizer per step.
+                    self._recreated += 1
+                    if self._recreated == 2:
+                        self.engine.add_finding(_recreated_finding(optimizer, names, step))
+                    return
+                self._recreated = 0
                 self.engine.add_finding(_unwatched_finding(optimizer, names, step))
         except Exception as exc:  # noqa: BLE001 - never break the user's step
             internal_warning("unwatched optimizer check", exc, owner=self.engine)
@@ -332,6 +344,28 @@ def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
             "another learning rate), or a second optimizer was left out.\n"
             "Fix: watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
             "gw = gradwatch.watch(model, [opt_a, opt_b])."
+        ),
+        params=tuple(names),
+        data={"optimizer_class": kind, "count": len(names)},
+    )
+
+
+def _recreated_finding(optimizer: Any, names: list[str], step: int) -> Finding:
+    kind = type(optimizer).__name__
+    return Finding(
+        kind="optimizer_recreated",
+        step=step,
+        severity="warning",
+        message=(
+            f"A new optimizer ({kind}) over the same {len(names)} parameter(s) of the watched model is created "
+            f"for every step (steps {step - 2} to {step}, one step each): {names_text(names)}.\n"
+            "Why it matters: each one starts with an empty state, so the optimizer's memory is thrown away at "
+            "every update: momentum never builds up, Adam's moments restart (its bias correction makes every "
+            "update about lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler "
+            "built on one of them drives none of the later ones. None of these updates is checked by gradwatch "
+            "either.\n"
+            "Fix: create the optimizer once, before the training loop (not inside it), and watch that one: "
+            "gradwatch.watch(model, optimizer)."
         ),
         params=tuple(names),
         data={"optimizer_class": kind, "count": len(names)},

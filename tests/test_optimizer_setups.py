@@ -303,3 +303,32 @@ def test_nan_in_one_of_two_optimizers_skips_and_says_only_that_optimizer() -> No
                 assert any(not torch.equal(b, p) for b, p in zip(before, second))  # optimizer 1 stepped
     (f,) = [f for f in gw.findings if f.kind == "nonfinite_grad"]
     assert f.step == 2 and "skipped optimizer 0's update" in f.message
+
+
+def test_optimizer_created_inside_the_loop_is_reported_once_as_recreated() -> None:
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(10):
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the bug: a fresh state every step
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    kinds = [(f.kind, f.step) for f in gw.findings]
+    assert kinds == [("unwatched_optimizer", 0), ("optimizer_recreated", 2)], kinds
+    assert "before the training loop" in gw.findings[1].message
+
+
+def test_optimizer_recreated_every_epoch_is_not_per_step() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(3):
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)  # a new one per epoch of 4 steps
+            for x, y in data(4):
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert {f.kind for f in gw.findings} == {"unwatched_optimizer"}
