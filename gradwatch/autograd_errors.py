@@ -897,6 +897,17 @@ def _seq(node: Any) -> int | None:
 
 
 # -- no_grad_graph ---------------------------------------------------------------------------------
+def _stepping_optimizer(ctx: _Context) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` is on the traceback (the error was raised in its closure)."""
+    for frame in ctx.frames:
+        code = frame.f_code
+        if code.co_name == "step" and code.co_argcount > 0:
+            owner = frame.f_locals.get(code.co_varnames[0])  # self, whatever it is called
+            if isinstance(owner, torch.optim.Optimizer):
+                return owner
+    return None
+
+
 def _no_grad_graph(ctx: _Context) -> Finding:
     roots = ctx.roots()
     model = ctx.engine.model
@@ -922,6 +933,15 @@ def _no_grad_graph(ctx: _Context) -> Finding:
         causes.append(
             "backward() was called with gradient tracking disabled (inside torch.no_grad() or "
             "torch.set_grad_enabled(False)). Move the forward, loss and backward out of that block."
+        )
+    elif ctx.tracer is not None and ctx.tracer.last_forward_grad_enabled is False and _stepping_optimizer(ctx):
+        cause_key = "closure_under_no_grad"
+        opt = _stepping_optimizer(ctx)
+        causes.append(
+            f"the closure ran inside {type(opt).__name__}.step(), which runs under torch.no_grad() "
+            "(@torch.no_grad() on a custom optimizer's step), so the forward in the closure built no graph. "
+            "Wrap the closure's body in `with torch.enable_grad():` (torch's LBFGS does that around its "
+            "closure call: `with torch.enable_grad(): loss = closure()`), in the closure or in step()."
         )
     elif ctx.tracer is not None and ctx.tracer.last_forward_grad_enabled is False:
         cause_key = "forward_under_no_grad"
@@ -970,9 +990,12 @@ def _no_grad_graph(ctx: _Context) -> Finding:
             )
         causes.append(
             "the model's forward ran with gradients, so the graph was cut between the output and the loss: "
-            "`.detach()`, `.item()`/`.tolist()`/`.numpy()` followed by torch.tensor(...), `.data`, or a "
-            "torch.no_grad() block around the loss computation." + hint + " Compute the loss from the model "
-            "output with torch ops only."
+            "`.detach()`, `.item()`/`.tolist()`/`.numpy()` followed by torch.tensor(...), `.data`, a "
+            "torch.no_grad() block around the loss computation, or an op without a gradient: argmax/argmin, "
+            "a comparison (`==`, `!=`, `>`), round/floor, a cast to an integer or bool (`.long()`), "
+            "a count such as `(pred == y).float().mean()`." + hint + " Compute the loss from the model output "
+            "with differentiable torch ops (for accuracy-like objectives, a surrogate: cross_entropy on the "
+            "logits, or softmax probabilities instead of argmax)."
         )
     shape = list(loss.shape) if loss is not None else None
     lines = [

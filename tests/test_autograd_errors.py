@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -526,6 +527,53 @@ def test_no_grad_graph_from_an_item_round_trip_names_the_variable_with_a_graph()
 
 
 # -- nonscalar_backward ----------------------------------------------------------------------------
+# https://github.com/LZGMatrix/BOP19_CDPN_2019ICCV/issues/4: a loss built from argmax has no grad_fn.
+def test_no_grad_graph_from_an_argmax_loss_names_ops_without_a_gradient() -> None:
+    model = nn.Linear(8, 3)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        with gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), console=False) as gw:
+            loss = (model(torch.randn(16, 8)).argmax(1) != torch.randint(0, 3, (16,))).float().mean()
+            loss.backward()
+    f = only(gw, "no_grad_graph")
+    assert "argmax" in f.message and "cross_entropy on the logits" in f.message
+
+
+class _NoGradStepSGD(torch.optim.Optimizer):
+    """A third-party optimizer whose whole step(), closure call included, runs under no_grad."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(me, closure: Any = None) -> Any:  # noqa: N805 - not called self on purpose
+        loss = closure() if closure is not None else None
+        for g in me.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+        return loss
+
+
+# The closure-under-no_grad failure of https://github.com/Lightning-AI/pytorch-lightning/issues/18222
+def test_closure_inside_a_no_grad_optimizer_step_says_enable_grad() -> None:
+    model = nn.Linear(8, 1)
+    opt = _NoGradStepSGD(model.parameters())
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            opt.step(closure)
+    f = only(gw, "no_grad_graph")
+    assert f.data["cause"] == "closure_under_no_grad", f.message
+    assert "_NoGradStepSGD.step()" in f.message and "torch.enable_grad()" in f.message
+
+
 def test_nonscalar_backward_gives_the_shape_and_the_reduction() -> None:
     torch.manual_seed(0)
     model = Net()
