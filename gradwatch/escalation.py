@@ -520,6 +520,10 @@ class Escalation:
                 return out
             self._poison_reported = False
             result = self._localize()
+            if result is not None and self._culprit is not None:
+                result.loss_nonfinite = any(
+                    not bool(torch.isfinite(l).all()) for l in getattr(self._culprit, "losses", ()) if l.is_floating_point()
+                )
             named = result is not None and result.loc.origin is not None
             # Buffers are checked only when the replay named no op: this step's own forward may have written
             # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
@@ -931,6 +935,8 @@ class _Result:
         self.lightning = lightning
         #: Loss-code ops that can produce NaN/Inf, when the NaN/Inf came from the loss (see ``_loss_ops``).
         self.loss_ops: list[str] = []
+        #: The replayed call's observed loss was already non-finite (the loss code's forward made it first).
+        self.loss_nonfinite = False
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -1328,6 +1334,13 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "counts is Inf (clamp the counts: 1 / counts.clamp_min(1)).",
     ),
     (
+        ("CtcLoss", "ctc_loss", "CTCLoss"),
+        "CTC loss is inf for a sample whose input is too short for its target: it needs at least as many "
+        "frames as target labels, plus one between each pair of repeated labels. Check input_lengths against "
+        "target_lengths (and the blank index), or use nn.CTCLoss(zero_infinity=True) to drop such samples' "
+        "loss and gradient.",
+    ),
+    (
         ("Tan", "Atan2"),
         "the op is singular here: keep its input away from the singular points (clamp, add an epsilon).",
     ),
@@ -1427,8 +1440,12 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "look at the loss function: log of a 0 probability (use log_softmax / cross_entropy on logits, "
             "or clamp the probability), division by a zero count or norm, sqrt at 0, or a NaN/Inf target."
         )
-        if len(set(result.loss_ops)) == 1 and fix_for(result.loss_ops[0]) is not _GENERIC_FIX:
-            fix = fix_for(result.loss_ops[0])  # one suspect: its own fix
+        fixes = {name: fix_for(name) for name in dict.fromkeys(result.loss_ops)}
+        known = {name: f for name, f in fixes.items() if f is not _GENERIC_FIX}
+        if len(set(known.values())) == 1:
+            fix = next(iter(known.values()))  # one kind of suspect: its own fix
+        elif known:  # each suspect's own fix
+            fix = "for each suspect: " + " ".join(f"{_op_base(n)}: {f}" for n, f in known.items())
         message = (
             f"The model's forward pass was finite at step {step}, but the gradient arriving at its output "
             "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
@@ -1480,6 +1497,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         outgoing=dict(origin.outgoing),
         forward_traceback=origin.traceback or result.anomaly_traceback,
         explicit_operand=origin.explicit_operand,
+        loss_nonfinite_first=bool(origin.phase == "backward" and result.loss_nonfinite and loc.forward_finite),
     )
     produced = " and ".join(label for key, label in (("nan", "NaN"), ("inf", "Inf")) if origin.outgoing.get(key))
     produced = produced or "non-finite values"
@@ -1517,6 +1535,15 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             if loc.first_module_inputs:
                 what += f" (inputs {_range(loc.first_module_inputs)})"
             what += "."
+    elif result.loss_nonfinite and loc.forward_finite:
+        received, fwd = _backward_context(inc)
+        what = (
+            f"The loss of step {step} was already non-finite in the forward pass, although the model's "
+            "output was finite: the loss computation made it first (squaring or exponentiating a finite but "
+            "huge output overflows: float32 ends at 3.4e38, so x ** 2 at |x| > 1.8e19). In the backward pass "
+            f"the first op to go non-finite was {origin.op}{fwd_op} in module {where_module}{line}\n"
+            f"It received {received} and produced {produced}.{fwd}"
+        )
     else:
         received, fwd = _backward_context(inc)
         what = (
@@ -1527,6 +1554,13 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     if result.surrogate and origin.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
     fix = fix_for(origin.op, origin.forward_op)
+    if origin.phase == "backward" and result.loss_nonfinite and loc.forward_finite:
+        fix = (
+            "the model's output (and so its inputs or weights) reached values the loss cannot hold: check this "
+            "batch for unscaled features (normalize the inputs and targets), lower the learning rate if the "
+            "weights grew, clip gradients, and compute the loss in float32."
+            + ("" if fix is _GENERIC_FIX else " " + fix[:1].upper() + fix[1:])
+        )
     if origin.phase == "forward" and _op_base(origin.op or "") in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
         fix = (
             "Inf - Inf is NaN: a row where every value is -inf (a fully masked row of a hand-written masked "

@@ -884,3 +884,45 @@ def test_a_nan_from_a_random_mask_in_the_forward_is_replayed_with_the_same_mask(
     _, bare_nan, bare_rng, bare_weight = _word_dropout_run(watch=False)
     assert nan_outputs == bare_nan
     assert torch.equal(after_rng, bare_rng) and torch.equal(weight, bare_weight)
+
+
+def test_a_loss_that_overflows_from_a_huge_but_finite_output_says_the_loss_went_first() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(5):
+            x = torch.randn(8, 4)
+            if i == 3:
+                x = x.abs() * 1e21  # an unscaled feature batch: the output is huge but finite
+            loss = ((model(x) - 1.0) ** 2).mean()  # inf in the forward: the square overflows
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert [f.step for f in origin] == [3]
+    assert origin[0].data["loss_nonfinite_first"] is True
+    assert "already non-finite in the forward pass" in origin[0].message
+    assert "unscaled features" in origin[0].message and "(the forward pass was finite)" not in origin[0].message
+
+
+def test_an_infinite_ctc_loss_gets_the_ctc_fix() -> None:
+    # https://github.com/meijieru/crnn.pytorch/issues/235: CTC loss inf, input shorter than the target needs.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctc = nn.CTCLoss()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(3):
+            logp = model(torch.randn(12, 2, 8)).log_softmax(-1)  # (T=12, N=2, C=5)
+            target_len = 13 if i == 1 else 4  # 13 labels cannot fit in 12 frames: inf
+            targets = torch.randint(1, 5, (2, target_len))
+            loss = ctc(logp, targets, torch.full((2,), 12), torch.full((2,), target_len))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert [f.step for f in origin] == [1]
+    assert "zero_infinity=True" in origin[0].message, origin[0].message

@@ -52,14 +52,16 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
                 "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual "
                 "causes: a mean over zero elements (every target equal to ignore_index, an empty mask or "
-                "selection: 0/0), or a NaN/Inf constant added to the loss. "
+                "selection: 0/0), 0 * log(0) in an entropy or KL term written by hand (p * p.log() with a "
+                "zero probability: 0 * -inf), or a NaN/Inf constant added to the loss. "
                 f"{action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
-                "to learn from), and check the terms added to the loss for NaN/Inf."
+                "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
+                "log-probabilities; check the terms added to the loss for NaN/Inf."
             )
         else:
             message = (
-                f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes every "
-                f"gradient of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
+                f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes the "
+                f"gradients of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
                 f"{action}\nFix: look for log/sqrt/division of zero or negative values in the loss, "
                 "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
                 "learning rate, or check the batch for NaN/Inf."
