@@ -509,8 +509,13 @@ class Engine:
 
     def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
         c = self.config
+        # A gradient whose norm overflows float32 (an element above ~1.8e19) is blocked like a non-finite one:
+        # the update it makes turns the next forward pass non-finite.
         blocked = (
-            stats.is_nonfinite or bool(stats.extra.get("any_rank_nonfinite")) or bool(stats.extra.get("update_nonfinite"))
+            stats.is_nonfinite
+            or bool(stats.overflow_norm)
+            or bool(stats.extra.get("any_rank_nonfinite"))
+            or bool(stats.extra.get("update_nonfinite"))
         )
         decision: Decision = "ok"
         error: GradWatchError | None = None

@@ -214,10 +214,34 @@ def test_norm_overflowing_float32_with_finite_elements_is_exploding_not_nonfinit
     with gradwatch.watch(model, console=False) as gw:
         for p in model.parameters():
             p.grad = torch.full_like(p, 3e37)  # finite, but the norm overflows float32
-        assert gw.check() is True  # not skipped: nothing is NaN/Inf
+        assert gw.check() is False  # skipped: an update this size overflows the next forward pass
     kinds = [f.kind for f in gw.findings]
-    assert kinds == ["exploding_grad"]
+    assert kinds == ["exploding_grad"]  # not reported as NaN/Inf: every element is finite
     assert gw.findings[0].severity == "error" and "overflows float32" in gw.findings[0].message
+    assert "skipped this update" in gw.findings[0].message
+
+
+def test_update_from_an_unscaled_batch_whose_gradient_norm_overflows_is_skipped() -> None:
+    # One batch with an unscaled feature (1e19): the loss is finite, every gradient element too, but the
+    # gradient norm overflows; applied, the update put weights at ~1e34 and every later step went NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(6):
+            x = torch.randn(8, 4)
+            if i == 3:
+                x = x.abs() * 1e19
+                before = [p.detach().clone() for p in model.parameters()]
+            loss = ((model(x) - 1.0) ** 2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i == 3:
+                assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert [(f.kind, f.step) for f in gw.findings if f.severity == "error"] == [("exploding_grad", 3)]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 # -- vanishing -------------------------------------------------------------------------------------------

@@ -216,6 +216,13 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         place = f"In module {where}."
     else:
         place = ""
+    if "overflow" in reasons:
+        place += (" " if place else "") + {
+            "skip": "gradwatch skipped this update (it would overflow the next forward pass): parameters and "
+            "optimizer state are unchanged.",
+            "warn": "on_nonfinite='warn': the update was applied; the next forward pass is likely to overflow.",
+            "raise": "on_nonfinite='raise': training stops before the update.",
+        }[config.on_nonfinite]
     message = (
         f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n"
         "Why it matters: an update this large throws the weights far from where training was: the loss "
