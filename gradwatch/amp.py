@@ -227,11 +227,16 @@ class AmpMonitor:
                               loss_nonfinite=dropped_loss is not None)
             if dropped_loss is not None:
                 self._report_dropped_loss(stats, *dropped_loss)
+            elif self._dropped_batch_nonfinite():
+                # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
+                self._report_dropped_loss(stats, first, math.nan, batch_only=True)
         if overflow_here:
-            loss_nonfinite = stats.loss_nonfinite
+            loss_nonfinite, loss = stats.loss_nonfinite, stats.loss
             _blank(stats)
             self._grow_streak(stats.step, 1, before=scale, after=scale * backoff, loss_nonfinite=loss_nonfinite)
             self._report(stats, done=None)
+            if loss_nonfinite:  # Lightning (the scaler's inf check before the step): this step's own loss
+                self._report_dropped_loss(stats, stats.step, loss if loss is not None else math.nan)
         else:
             done, self._streak = self._streak, None
             self._report(stats, done=done)
@@ -262,23 +267,38 @@ class AmpMonitor:
             stats.loss = current[-1]
         return step, losses[bad]
 
+    def _dropped_batch_nonfinite(self) -> bool:
+        """Whether a batch held since the last check (the scaler's dropped steps included) holds NaN/Inf.
+        Asked on overflow steps only, when no loss was observed."""
+        esc = next((e for e in self._engine.extensions if hasattr(e, "_nonfinite_inputs")), None)
+        try:
+            return bool(esc is not None and esc.active and esc._nonfinite_inputs())
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("AmpMonitor (dropped batch)", exc, owner=self._engine)
+            return False
+
     def _report_dropped_loss(self, stats: StepStats, step: int, loss: float, engine: Any = None,
-                             localize: bool = True) -> None:
-        """A NaN/Inf loss on a step the scaler dropped: a real incident (scaling never makes the unscaled
-        loss non-finite), reported at its own step and localized like any other."""
+                             localize: bool = True, batch_only: bool = False) -> None:
+        """A NaN/Inf loss (or batch) on a step the scaler dropped: a real incident (scaling never makes the
+        unscaled loss non-finite), reported at its own step and localized like any other."""
         engine = engine or self._engine
         at = StepStats(step=step, optimizer_index=stats.optimizer_index, loss=loss, loss_nonfinite=True)
+        what = (
+            f"The gradients of step {step} were non-finite and its batch holds NaN/Inf (the loss was not "
+            "observed)"
+            if batch_only
+            else f"The loss is {loss} at step {step}. Its gradients were non-finite too"
+        )
         finding = Finding(
-            kind="nonfinite_loss",
+            kind="nonfinite_grad" if batch_only else "nonfinite_loss",
             step=step,
             severity="error",
             message=(
-                f"The loss is {loss} at step {step}. Its gradients were non-finite too, so the gradient scaler "
-                "dropped that update (the weights are unchanged) and lowered the loss scale; but loss scaling "
-                "never makes the unscaled loss NaN/Inf, so this is not a normal overflow: a bad batch or "
-                "an op in the forward pass produced it.\nFix: look for log/sqrt/division of zero or negative "
-                "values in the loss, add an epsilon (e.g. torch.log(x + 1e-8)), clamp logits, or check the "
-                "batch for NaN/Inf."
+                f"{what}, so the gradient scaler dropped that update (the weights are unchanged) and lowered the "
+                "loss scale; but loss scaling never makes the unscaled loss or the data NaN/Inf, so this is not "
+                "a normal overflow: a bad batch or an op in the forward pass produced it.\nFix: look for "
+                "log/sqrt/division of zero or negative values in the loss, add an epsilon (e.g. "
+                "torch.log(x + 1e-8)), clamp logits, or check the batch for NaN/Inf."
             ),
             data={"loss": loss, "optimizer": stats.optimizer_index, "dropped_by_scaler": True},
         )

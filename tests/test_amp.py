@@ -289,6 +289,44 @@ def test_lightning_16_mixed_overflow_steps_are_info_and_norms_unscaled(fused: bo
     assert reported[10:] == pytest.approx(reference[10:], rel=1e-4)
 
 
+# https://github.com/ecmwf/WeatherGenerator/issues/2724: under a GradScaler a NaN loss was only "the scaler
+# silently rejecting the step".
+def test_lightning_16_mixed_nan_loss_is_a_nonfinite_loss_not_a_normal_overflow() -> None:
+    pl = _lightning()
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from gradwatch.lightning import GradWatchCallback
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    cb = GradWatchCallback(console=text_console())
+    trainer = tiny_trainer(pl, [cb], max_steps=14, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(tiny_module(pl, nan_at=12))
+    found = kinds(cb.findings)
+    assert ("nonfinite_loss", 12) in found, found
+    assert "not a normal overflow" in next(f.message for f in cb.findings if f.kind == "nonfinite_loss")
+    assert cb.engine.steps_skipped == 0  # the scaler dropped it; gradwatch had nothing left to skip
+
+
+def test_nan_batch_dropped_by_the_scaler_without_an_observed_loss_is_reported() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    g = torch.Generator().manual_seed(0)
+    with gradwatch.watch(model, opt, console=False, scaler=scaler) as gw:
+        for step in range(8):
+            x = torch.randn(8, 4, generator=g)
+            if step == 5:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()  # not observed
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    found = kinds(gw.findings)
+    assert ("nonfinite_input", 5) in found and ("nonfinite_grad", 5) in found, found
+
+
 def test_lightning_bf16_mixed_nan_is_skipped_as_usual() -> None:
     pl = _lightning()
     from gradwatch.lightning import GradWatchCallback
