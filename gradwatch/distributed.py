@@ -109,6 +109,7 @@ class RankAgreement:
         self._ddp_spotter: Any = None
         self._ddp_cls: Any = None
         self._spotted: Any = None  # the DDP wrapper whose forward ran the watched model (see _spot_ddp)
+        self._ddp: Any = None  # the same, kept (find_unused_parameters)
         self._store: Any = None  # the process group's key-value store, where this watcher announced itself
         self._peers_checked = False
         self._solo = False  # some rank has no watcher: no collective of gradwatch's own
@@ -158,6 +159,7 @@ class RankAgreement:
         ddp = self._ddp_cls._active_ddp_module
         if ddp is not None:
             self._spotted = ddp
+            self._ddp = ddp
 
     def _remove_spotter(self) -> None:
         if self._ddp_spotter is not None:
@@ -243,6 +245,10 @@ class RankAgreement:
         dist = _dist()
         if dist is None or self.world < 2:
             return
+        ddp = self._ddp or next((j for j in self._joinables if self._ddp_cls and isinstance(j, self._ddp_cls)), None)
+        if ddp is not None and getattr(ddp, "find_unused_parameters", False):
+            # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
+            ctx.stats.extra["unused_expected"] = True
         if not self._peers_watch(dist):
             return  # a rank without a watcher: no collective (see _peers_watch)
         if self._in_join():

@@ -95,16 +95,29 @@ def replicas(rank: int, policy: str) -> dict[str, Any]:
     }
 
 
-def ddp_unused(rank: int, wrapped: bool) -> dict[str, Any]:
+class AltNet(Net):
+    """An auxiliary head used on odd steps only (find_unused_parameters=True is what DDP needs for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:  # type: ignore[override]
+        h = self.encoder(x)
+        return self.head(h) + (self.aux(h) if use_aux else 0)
+
+
+def ddp_unused(rank: int, wrapped: bool, alternating: bool = False) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    inner = Net(unused=True)
+    inner = AltNet() if alternating else Net(unused=True)
     model = DDP(inner, find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradwatch.watch(model if wrapped else inner, opt, console=text_console()) as gw:
-        for step in range(3):
-            loss = model(batch(step, rank, bad=False)).pow(2).mean()
+        for step in range(22):  # none_grad waits 20 checked steps under find_unused_parameters=True
+            x = batch(step, rank, bad=False)
+            loss = (model(x, use_aux=step % 2 == 1) if alternating else model(x)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -271,6 +284,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "raise": lambda r: replicas(r, "raise"),
     "ddp_unused_wrapped": lambda r: ddp_unused(r, wrapped=True),
     "ddp_unused_inner": lambda r: ddp_unused(r, wrapped=False),
+    "ddp_alternating_head": lambda r: ddp_unused(r, wrapped=True, alternating=True),
     "ddp_nan": ddp_nan,
     "ddp_nan_input": lambda r: ddp_nan(r, adam=True, observe=False),
     "ddp_nan_loss": lambda r: ddp_nan(r, adam=True, escalate=False),

@@ -144,6 +144,12 @@ def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[st
     for r in (r0, r1):
         (f,) = [f for f in r["findings"] if f["kind"] == "none_grad"]
         assert f["params"] == ["aux.weight", "aux.bias"]  # no "module." prefix from the DDP wrapper
+        assert f["step"] == 20  # find_unused_parameters=True: unused on some steps is expected, so it waits
+
+
+def test_ddp_head_used_on_some_steps_only_is_silent(runs: list[dict[str, Any]]) -> None:
+    for r in scenario(runs, "ddp_alternating_head"):
+        assert [f["kind"] for f in r["findings"]] == []
 
 
 # -- DDP, NaN in rank 1's data: rank zero (the one that prints) names rank 1 and its data as the cause -----

@@ -36,6 +36,12 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
     fresh = [n for n in stats.none_grad if n in never and n not in seen]
     waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{i}", {}))
     member_of = stats.extra.get("member_of")
+    if fresh and stats.extra.get("unused_expected"):
+        # DDP(find_unused_parameters=True): parameters unused on some steps are expected; each gets
+        # MEMBER_GRACE checked steps to get a gradient before it is reported.
+        grace = MEMBER_GRACE * max(1, config.every)
+        now = [n for n in fresh if stats.step - waiting.setdefault(n, stats.step) >= grace]
+        return tuple(now), {n: s for n, s in waiting.items() if n in never and n not in now}
     if not fresh or not callable(member_of):
         return tuple(fresh), {}
     # Members of a ModuleList/ModuleDict whose siblings got gradients this step: used on some steps only?
@@ -84,7 +90,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         else ""
     )
     when = (
-        f"at any checked step since step {since} (while other members of their ModuleList/ModuleDict did)"
+        f"at any checked step since step {since}"
+        + ("" if stats.extra.get("unused_expected") else " (while other members of their ModuleList/ModuleDict did)")
         if since is not None
         else f"at step {stats.step}"
     )
@@ -99,9 +106,11 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "Why it matters: the optimizer never updates them (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
                 + cause
-                + "(Parameters that get a gradient on some steps only, as with mixture-of-experts routing, "
-                f"LayerDrop or one head per task, are not reported; members of a ModuleList/ModuleDict get "
-                f"{MEMBER_GRACE} checked steps, or {PER_MEMBER} per member.)\n"
+                + "(Reported once, for parameters that have had no gradient on any checked step so far. If "
+                "these are used on some steps only, e.g. an auxiliary head of some batches, ignore this; "
+                f"members of a ModuleList/ModuleDict (experts, LayerDrop layers, task heads) get {MEMBER_GRACE} "
+                f"checked steps, or {PER_MEMBER} per member, and so does every parameter under "
+                "DistributedDataParallel(find_unused_parameters=True).)\n"
                 "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
                 "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
                 "or leave them out of the optimizer."
