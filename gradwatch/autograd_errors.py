@@ -898,12 +898,16 @@ def _seq(node: Any) -> int | None:
 
 # -- no_grad_graph ---------------------------------------------------------------------------------
 def _stepping_optimizer(ctx: _Context) -> torch.optim.Optimizer | None:
-    """The optimizer whose ``step()`` is on the traceback (the error was raised in its closure)."""
+    """The optimizer whose ``step()`` is on the traceback (the error was raised in its closure), if it is one
+    that may run the closure under no_grad: torch's own optimizers call it under torch.enable_grad(), and so
+    does Lightning's training loop."""
+    if ctx.tracer is not None and ctx.tracer.integration == "lightning":
+        return None
     for frame in ctx.frames:
         code = frame.f_code
         if code.co_name == "step" and code.co_argcount > 0:
             owner = frame.f_locals.get(code.co_varnames[0])  # self, whatever it is called
-            if isinstance(owner, torch.optim.Optimizer):
+            if isinstance(owner, torch.optim.Optimizer) and not type(owner).__module__.startswith("torch."):
                 return owner
     return None
 

@@ -293,6 +293,9 @@ def test_head_swapped_after_the_optimizer_is_found_at_that_step():
         train(model, opt, gw, batches(3))
     found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
     assert [(f.step, f.params) for f in found] == [(3, ("head.weight", "head.bias"))]
+    # One finding for one cause: the old head the optimizer still holds is not none_grad/foreign_params too.
+    assert [f.kind for f in gw.findings] == ["not_in_optimizer"]
+    assert "replaced after the optimizer was built" in found[0].message
 
 
 def test_step_without_any_gradient():

@@ -33,7 +33,9 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
     i = stats.optimizer_index
     seen = history.reported.get(f"none_grad/{i}", frozenset())
     never = _never(stats, history)
-    fresh = [n for n in stats.none_grad if n in never and n not in seen]
+    # Parameters the model does not own are foreign_params' (or not_in_optimizer's) to report.
+    foreign = set(stats.foreign)
+    fresh = [n for n in stats.none_grad if n in never and n not in seen and n not in foreign]
     waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{i}", {}))
     member_of = stats.extra.get("member_of")
     if fresh and stats.extra.get("unused_expected"):

@@ -20,8 +20,19 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         out.append(_unregistered(stats, unregistered))
     if not (stats.first_check or stats.params_changed):
         return out
+    # Parameters the optimizer holds that the model no longer owns and that got no gradient: next to model
+    # parameters no optimizer holds, a layer replaced after the optimizer was built. One finding says both.
+    stale = tuple(n for n in stats.foreign if n in set(stats.none_grad))
+    replaced = bool(stats.not_in_optimizer) and bool(stale)
     if stats.not_in_optimizer and history.reported.get("not_in_optimizer") != stats.not_in_optimizer:
         modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in stats.not_in_optimizer})
+        instead = (
+            f"Optimizer {stats.optimizer_index} holds {len(stale)} parameter(s) the model no longer owns instead "
+            f"({names_text(stale)}): the layer was replaced after the optimizer was built (a new head for "
+            "fine-tuning), so the optimizer updates the old one, which no longer runs.\n"
+            if replaced
+            else ""
+        )
         out.append(
             Finding(
                 kind="not_in_optimizer",
@@ -29,7 +40,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 severity="warning",
                 message=(
                     f"{len(stats.not_in_optimizer)} trainable parameter(s) of the model are in no watched "
-                    f"optimizer: {names_text(stats.not_in_optimizer)}.\n"
+                    f"optimizer: {names_text(stats.not_in_optimizer)}.\n" + instead +
                     "Why it matters: they get gradients but are never updated, so those layers stay at "
                     "their initial values (a classic after swapping a head or building layers lazily "
                     "after the optimizer).\n"
@@ -44,7 +55,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 data={"modules": modules, "count": len(stats.not_in_optimizer)},
             )
         )
-    if stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
+    if replaced:
+        shown: tuple[str, ...] = ()
+    elif stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
         # Parameters of the loss trained with the model (CenterLoss centers, a learned temperature) are
         # foreign but get gradients next to the model's own: not a mistake. Report the optimizer that holds
         # none of the model's parameters, or foreign ones that got no gradient (another model's).
