@@ -105,6 +105,7 @@ class Engine:
         self.index = ParamIndex(model, self.optimizers)
         self.history = History(window=config.window)
         self.findings: list[Finding] = []
+        self._explained: tuple[tuple[int, str], Finding | None] | None = None  # the last explained exception
         self.kind_counts: Counter[str] = Counter()
         self.steps_checked = 0
         self.steps_skipped = 0
@@ -741,6 +742,9 @@ class Engine:
         """Diagnose an exception raised by the training code (autograd errors); never raises."""
         if isinstance(exc, GradWatchError):
             return None
+        key = (id(exc), str(exc))
+        if self._explained is not None and self._explained[0] == key:
+            return self._explained[1]  # explained already (gw.explain(e), then re-raised out of the with block)
         try:
             from gradwatch import autograd_errors
 
@@ -753,6 +757,7 @@ class Engine:
             return None
         if finding is not None:
             self.add_finding(finding)
+        self._explained = (key, finding)
         return finding
 
     def _unchecked_nonfinite(self, exc: BaseException, step: int) -> Finding | None:

@@ -8,6 +8,7 @@ gradients it produced, not stale ones.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from typing import Any, Callable, Iterable
@@ -113,6 +114,8 @@ class Watcher:
             extensions = []
         for ext in extensions:
             self.engine.add_extension(ext)
+        _OPEN.add(self)
+        _install_excepthook()
 
     # -- public ------------------------------------------------------------------------------------
     @property
@@ -303,6 +306,34 @@ def watch(
         []
     """
     return Watcher(model, optimizer, **config)
+
+
+#: Watchers not closed yet (weakly): an exception nobody caught is explained by them before Python prints it.
+_OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
+_HOOKED: list[Any] = []
+
+
+def _install_excepthook() -> None:
+    """Once per process: ``sys.excepthook`` explains an autograd error that ends a script whose watcher was
+    not used as a context manager (``gw = gradwatch.watch(...)`` without ``with``), then hands over to the
+    previous hook (Python's traceback). Watchers in a ``with`` block explain on exit, and each exception is
+    explained once."""
+    if _HOOKED:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+        try:
+            if isinstance(exc, Exception):
+                for w in list(_OPEN):
+                    if not w.closed:
+                        w.engine.explain_exception(exc)
+        except Exception:  # noqa: BLE001 - Python's own report must follow whatever happens here
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    _HOOKED.append(hook)
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:

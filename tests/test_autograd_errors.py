@@ -747,3 +747,38 @@ def test_embedding_max_norm_renormalizing_a_saved_weight_is_named_with_its_fix()
     f = only(gw, "inplace_error")
     assert (f.step, f.params, f.data["modified_by"], f.data["modified_in"]) == (0, ("emb.weight",), "embedding", "emb")
     assert "max_norm" in f.message and "optimizer.step()" not in f.message
+
+
+_NO_WITH_SCRIPT = """
+import torch, torch.nn as nn, gradwatch
+from rich.console import Console
+model = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.ReLU(inplace=True), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+gw = gradwatch.watch(model, opt, console=Console(width=200, color_system=None))  # no `with`
+loss = model(torch.randn(4, 8)).pow(2).mean()
+loss.backward()
+"""
+
+
+def test_an_uncaught_autograd_error_is_explained_without_a_with_block(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_NO_WITH_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "modified by an inplace operation" in done.stderr  # Python's own traceback, unchanged
+    assert "inplace_error" in done.stdout and "ReLU" in done.stdout, done.stdout[-2000:]
+
+
+def test_an_error_explained_by_hand_and_re_raised_out_of_the_with_block_is_one_finding() -> None:
+    model = nn.Linear(8, 2)
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        with gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), console=False) as gw:
+            try:
+                model(torch.randn(4, 8)).backward()
+            except RuntimeError as e:
+                assert gw.explain(e) is not None
+                raise
+    assert [f.kind for f in gw.findings] == ["nonscalar_backward"]
