@@ -127,6 +127,8 @@ class Engine:
         self._cleared_backwards = 0  # backward passes since then that found the gradients cleared
         # Unregistered trainable tensors found at a check: (name, tensor, how, its grad, grad version).
         self._unregistered_seen: list[tuple[str, torch.Tensor, str, torch.Tensor, int]] = []
+        self._forward_scans = 0  # the first two checked steps look for layers built inside forward()
+        self._forward_params: list[tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = []
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
         self._params_dirty = False
@@ -252,11 +254,30 @@ class Engine:
                 self._unregistered_seen = [
                     (n, t, how, t.grad, t.grad._version) for n, t, how in self.index.unregistered()
                 ]
-            return confirmed
+            return confirmed + self._built_in_forward()
         except Exception as exc:  # noqa: BLE001 - a model with odd attributes must not stop the check
             internal_warning("unregistered-parameter scan", exc, owner=self)
             self._unregistered_seen = []
             return []
+
+    def _built_in_forward(self) -> list[tuple[str, str]]:
+        """Parameters a layer built inside forward() trains through: on each of the first two checked steps,
+        the ``nn.Parameter`` leaves of the outputs' graph the model does not own; reported when the second
+        step's are new tensors of the shapes the first step's had (created anew at every forward)."""
+        if self._forward_scans >= 2:
+            return []
+        self._forward_scans += 1
+        esc = next((e for e in self.extensions if hasattr(e, "unowned_params")), None)
+        if esc is None:
+            return []
+        known = {id(p) for _, p in self.index.model_params} | self.index._held
+        found = esc.unowned_params(known)
+        before, self._forward_params = self._forward_params, [(weakref.ref(p), tuple(p.shape)) for p in found]
+        if self._forward_scans < 2 or not before:
+            return []
+        shapes = {shape for _ref, shape in before}
+        fresh = [p for p in found if tuple(p.shape) in shapes and all(ref() is not p for ref, _s in before)]
+        return [(f"<parameter {tuple(p.shape)} created in forward>", "forward") for p in fresh]
 
     def _refresh_index(self) -> bool:
         changed = self._params_dirty or self.index.unheld_trainable_changed()
@@ -389,6 +410,8 @@ class Engine:
         self._first_check[opt_index] = False
         if stats.first_check or changed or self._unregistered_seen:
             stats.extra["unregistered"] = self._unregistered(stats.first_check or changed)
+        elif self._forward_scans < 2:
+            stats.extra["unregistered"] = self._built_in_forward()
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
         stats.extra["optimizer"] = op.optimizer
         if none:

@@ -695,6 +695,32 @@ class Escalation:
             frontier.extend(nxt for nxt, _ in node.next_functions)
         return names if reached else []
 
+    def unowned_params(self, known: set[int], limit: int = 4096) -> list[torch.Tensor]:
+        """``nn.Parameter`` leaves the step's model outputs were computed from that the model does not own
+        (``known``: ids of its parameters and of the optimizers' tensors): a layer built inside forward().
+        A walk of the outputs' graph (at most ``limit`` nodes), stopping at the model's inputs (a
+        perturbation that requires grad, added to the input, is not the model's). First checks only."""
+        if self.integration != "plain":
+            return []
+        inputs = [t for c in self._calls for t in tree_leaves((c.args, c.kwargs)) if isinstance(t, torch.Tensor)]
+        stops = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+        known = known | {id(t) for t in inputs}
+        frontier = [n for c in self._calls for n in c.nodes if n is not None]
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
+        while frontier and len(seen) < limit:
+            node = frontier.pop()
+            if id(node) in seen or id(node) in stops:
+                continue
+            seen.add(id(node))
+            var = getattr(node, "variable", None)
+            if var is not None:
+                if isinstance(var, nn.Parameter) and id(var) not in known and all(v is not var for v in out):
+                    out.append(var)
+                continue
+            frontier.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+        return out
+
     def _upstream_state(self, call: _Call | None = None) -> tuple[bool, bool]:
         """(non-finite, available) for the gradient that reached the model's outputs.
 

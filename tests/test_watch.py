@@ -283,6 +283,28 @@ def test_teacher_that_gets_gradients_outside_the_optimizer_is_named():
     assert [f.step for f in found] == [0] and found[0].params[0].startswith("teacher.")
 
 
+class _HeadBuiltInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.Linear(16, 1)(torch.relu(self.enc(x)))  # the bug: a new random layer at every call
+
+
+def test_layer_built_inside_forward_is_named_with_its_fix():
+    torch.manual_seed(0)
+    model = _HeadBuiltInForward()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        train(model, opt, gw, batches(5))
+    found = [f for f in gw.findings if f.kind == "not_in_optimizer"]
+    assert [(f.step, f.params) for f in found] == [
+        (1, ("<parameter (1, 16) created in forward>", "<parameter (1,) created in forward>"))
+    ]
+    assert "create the layer once in __init__" in found[0].message
+
+
 def test_head_swapped_after_the_optimizer_is_found_at_that_step():
     torch.manual_seed(0)
     model = Net()

@@ -93,8 +93,16 @@ def _unregistered(stats: StepStats, unregistered: list[tuple[str, str]]) -> Find
     names = tuple(n for n, _ in unregistered)
     containers = sorted({n.split("[", 1)[0] for n, how in unregistered if how == "container"})
     tensors = [n for n, how in unregistered if how == "tensor"]
+    built = [n for n, how in unregistered if how == "forward"]
     what: list[str] = []
     fixes: list[str] = []
+    if built:
+        what.append(
+            "parameters of a layer built inside forward(), new at every call (`nn.Linear(16, 1)(h)` in forward "
+            "creates a freshly initialized layer each time: it never learns, and its random weights change "
+            "the output at every step)"
+        )
+        fixes.append("create the layer once in __init__ (`self.head = nn.Linear(16, 1)`) and call `self.head(h)` in forward")
     if containers:
         what.append(f"modules kept in a plain Python list or dict ({', '.join(containers)})")
         fixes.append("hold the modules in nn.ModuleList([...]) / nn.ModuleDict({...}) instead of a list or dict")
