@@ -286,7 +286,7 @@ def test_teacher_that_gets_gradients_outside_the_optimizer_is_named():
 class _HeadBuiltInForward(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.enc = nn.Linear(8, 16)
+        self.enc = nn.Linear(4, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.Linear(16, 1)(torch.relu(self.enc(x)))  # the bug: a new random layer at every call
