@@ -540,6 +540,8 @@ class Escalation:
                 self.localizations.append((stats.step, result.loc))
                 origin_finding = _origin_finding(stats.step, result, layers)
                 out.append(origin_finding)
+        if result is None and not bad_inputs and self.integration == "plain" and not self._calls and self._forwards == 0:
+            out.append(_no_forward_finding(stats.step, type(self.model).__name__ if self.model is not None else "model"))
         note = None
         if result is None and not bad_inputs:
             note = (
@@ -1436,6 +1438,24 @@ def _backward_context(inc: dict[str, Any]) -> tuple[str, str]:
             + "."
         )
     return received, fwd
+
+
+def _no_forward_finding(step: int, model: str) -> Finding:
+    return Finding(
+        kind="nan_origin",
+        step=step,
+        severity="warning",
+        message=(
+            f"gradwatch could not look for where the NaN/Inf of step {step} was born: the watched model's own "
+            f"forward ({model}.__call__) did not run this step, so neither its inputs nor its outputs were "
+            "seen. The training loop calls its submodules directly (`model.head(model.encoder(x))`), or "
+            "another module than the watched one.\n"
+            "Fix: call the watched model itself (put the composition in its forward: `model(x)`), or watch the "
+            "module the loop calls; then a NaN batch is named as bad input and a NaN born in an op is named "
+            "with its line."
+        ),
+        data={"phase": None, "no_forward": True},
+    )
 
 
 def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) -> Finding:

@@ -926,3 +926,22 @@ def test_an_infinite_ctc_loss_gets_the_ctc_fix() -> None:
     origin = [f for f in gw.findings if f.kind == "nan_origin"]
     assert [f.step for f in origin] == [1]
     assert "zero_infinity=True" in origin[0].message, origin[0].message
+
+
+def test_a_nan_when_the_loop_calls_submodules_directly_says_why_it_was_not_localized() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"features": nn.Sequential(nn.Linear(4, 8), nn.ReLU()), "head": nn.Linear(8, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(4):
+            x = torch.randn(8, 4)
+            if i == 2:
+                x[0, 0] = float("nan")
+            loss = model["head"](model["features"](x)).pow(2).mean()  # the root's forward never runs
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert [(f.step, f.severity) for f in origin] == [(2, "warning")]
+    assert "did not run this step" in origin[0].message and "model(x)" in origin[0].message
