@@ -222,6 +222,7 @@ class AmpMonitor:
                 # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
                 self._engine.step_counts[stats.optimizer_index] += hidden
                 stats.step += hidden
+            stats.extra["scaler_dropped"] = (first, hidden)  # the steps the scaler dropped since the last check
             dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
             self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale,
                               loss_nonfinite=dropped_loss is not None)

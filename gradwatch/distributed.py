@@ -513,12 +513,16 @@ def other_rank_dropped_finding(stats: StepStats, ranks: list[int]) -> Finding:
     """Another rank's loss was non-finite on a batch whose update was dropped (by a GradScaler, on every
     rank, since the all-reduce carried the NaN/Inf there) or skipped by the training code."""
     which = _ranks_text(ranks)
+    dropped = stats.extra.get("scaler_dropped")
+    # A GradScaler's dropped steps are counted as steps: name the (first) one it dropped, as that rank does.
+    step = dropped[0] if isinstance(dropped, tuple) else stats.step
+    when = f"at step {step}" if isinstance(dropped, tuple) else f"on a batch before step {step}"
     return Finding(
         kind="nonfinite_on_other_rank",
-        step=stats.step,
+        step=step,
         severity="warning",
         message=(
-            f"The loss on {which} was NaN/Inf on a batch before step {stats.step} that no update used: the "
+            f"The loss on {which} was NaN/Inf {when}, on a batch no update used: the "
             "gradient all-reduce carried its NaN/Inf to every rank, and a GradScaler dropped that step on "
             "every rank (here it looks like an ordinary fp16 overflow), or the training code skipped it.\n"
             f"Why it matters: the batch or the forward pass on {which} produces NaN/Inf and will again with "

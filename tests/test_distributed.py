@@ -180,7 +180,8 @@ def test_ddp_nan_step_a_grad_scaler_dropped_names_the_rank_of_the_nan_loss(runs:
     assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
     (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank"]
     assert f["severity"] == "warning" and f["data"]["ranks"] == [1]
-    assert "The loss on rank 1 was NaN/Inf on a batch before step" in r0["console"]
+    assert "The loss on rank 1 was NaN/Inf at step 3" in r0["console"]
+    assert f["step"] == 3  # the step the scaler dropped, as rank 1 numbers it
     assert ("nonfinite_loss", 3) in kinds(r1)  # rank 1's own, at its step
 
 
