@@ -420,6 +420,49 @@ class RankAgreement:
         ranks = stats.extra.get("nonfinite_ranks")
         if not ranks:
             return []
+        out = self._incident(stats, findings, ranks)
+        return out + self._origins_of_others(stats, findings + out)
+
+    def _origins_of_others(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
+        """Where the NaN/Inf was born, as the rank that localized it says: each rank's ``nan_origin`` (if it
+        named an op) is gathered (one ``all_gather_object``, on incident steps only: every rank of the
+        agreement runs this on the same step), and a rank that named none reports the other's, so rank
+        zero's console and JSON lines say where it was born."""
+        dist = _dist()
+        if dist is None or self.world < 2 or self._solo:
+            return []
+        mine = next((f for f in findings if f.kind == "nan_origin" and f.data.get("phase")), None)
+        summary = None
+        if mine is not None:
+            keys = ("phase", "op", "forward_op", "module", "source", "code")
+            summary = {"rank": self.rank, "message": mine.message, **{k: mine.data.get(k) for k in keys}}
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, summary, group=self.group)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("RankAgreement (origins)", exc, owner=self._engine, key="RankAgreement.origins")
+            return []
+        if mine is not None:
+            return []
+        other = next((o for o in out if isinstance(o, dict) and o.get("rank") != self.rank), None)
+        if other is None:
+            return []
+        data = {k: v for k, v in other.items() if k != "message"}
+        data["origin_rank"] = data.pop("rank")
+        return [
+            Finding(
+                kind="nan_origin",
+                step=stats.step,
+                severity="error",
+                message=f"On rank {data['origin_rank']} (this rank got it through the gradient all-reduce): "
+                + str(other.get("message", "")),
+                module=data.get("module"),
+                op=data.get("op"),
+                data=data,
+            )
+        ]
+
+    def _incident(self, stats: StepStats, findings: list[Finding], ranks: list[int]) -> list[Finding]:
         reports = stats.extra.get("rank_reports") or []
         input_ranks = sorted(r.get("rank", 0) for r in reports if r.get("inputs"))
         for f in findings:
@@ -496,8 +539,8 @@ def other_rank_finding(
             f"{head}{cause}"
             f"{_ACTION.get(policy, '')}\nWhy it matters: one rank's NaN reaches every replica through the "
             "gradient all-reduce (or leaves the replicas out of step if it does not).\n"
-            "Fix: look at the batch that rank got at this step (a bad sample or data shard); that rank's "
-            "own findings (``gw.findings`` there) name the op when gradwatch could localize it."
+            "Fix: look at the batch that rank got at this step (a bad sample or data shard); when that rank "
+            "localized the op, the nan_origin finding of this step (\"On rank ...\") names it here too."
         ),
         params=tuple(params),
         data={

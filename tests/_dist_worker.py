@@ -279,7 +279,32 @@ def fsdp(rank: int, nan: bool) -> dict[str, Any]:
     }
 
 
+class LogNet(Net):
+    """log of a probability that is 0 on rank 1's NAN_STEP (a NaN born in an op, not in the data)."""
+
+    def forward(self, x: torch.Tensor, zero: bool = False) -> torch.Tensor:  # type: ignore[override]
+        p = torch.sigmoid(self.head(self.encoder(x)))
+        return torch.log(p * 0 if zero else p)
+
+
+def ddp_op_nan(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(LogNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for step in range(STEPS):
+            loss = -model(batch(step, rank, bad=False), zero=rank == 1 and step == NAN_STEP).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "ddp_op_nan": ddp_op_nan,
     "skip": lambda r: replicas(r, "skip"),
     "raise": lambda r: replicas(r, "raise"),
     "ddp_unused_wrapped": lambda r: ddp_unused(r, wrapped=True),

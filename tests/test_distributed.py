@@ -304,3 +304,12 @@ def test_lightning_ddp_findings_carry_ranks_and_only_rank_zero_prints(lightning_
     assert f["step"] == 3 and f["data"]["rank"] == 0 and f["data"]["ranks"] == [0, 1]
     assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
     assert "nonfinite_grad at step 3" in r0["console"] and r1["console"] == ""
+
+
+def test_rank_zero_reports_where_another_ranks_nan_was_born(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_op_nan")
+    (own,) = [f for f in r1["findings"] if f["kind"] == "nan_origin"]
+    (told,) = [f for f in r0["findings"] if f["kind"] == "nan_origin"]
+    assert own["step"] == told["step"] == 3
+    assert told["data"]["origin_rank"] == 1 and told["op"] == own["op"] == "LogBackward0"
+    assert told["message"].startswith("On rank 1")
