@@ -1039,6 +1039,7 @@ def _nonscalar(ctx: _Context) -> Finding:
     node = grad_fn.name() if grad_fn is not None else None
     module = None
     reduced = None
+    loss_op = None
     if loss is not None and loss.grad_fn is not None:
         # Down a short chain of single-input ops (Lightning divides by accumulate_grad_batches, a loss
         # may be scaled): is this the unreduced output of a module?
@@ -1046,6 +1047,8 @@ def _nonscalar(ctx: _Context) -> Finding:
         for _ in range(4):
             if node_op(n) in _REDUCTIONS:
                 reduced = node_op(n)
+            if loss_op is None and "Loss" in node_op(n):
+                loss_op = node_op(n)  # a loss function called with reduction='none'
             own = _own_param(ctx, n)
             if own is not None:
                 module = ctx.display_module(own[1])
@@ -1060,6 +1063,11 @@ def _nonscalar(ctx: _Context) -> Finding:
         origin = (
             f" It comes from the output of module {module}, reduced ({reduced}) over some dimensions but not "
             "all of them (e.g. .mean(dim=1))."
+        )
+    elif module is not None and loss_op is not None:
+        origin = (
+            f" It is the per-element output of {loss_op} (a loss function called with reduction='none') on the "
+            f"output of module {module}."
         )
     elif module is not None:
         origin = f" It comes straight from the output of module {module}, with no reduction in between."

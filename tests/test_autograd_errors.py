@@ -574,6 +574,15 @@ def test_closure_inside_a_no_grad_optimizer_step_says_enable_grad() -> None:
     assert "_NoGradStepSGD.step()" in f.message and "torch.enable_grad()" in f.message
 
 
+def test_nonscalar_backward_of_a_loss_with_reduction_none_names_the_loss() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        with gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), console=False) as gw:
+            nn.functional.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1), reduction="none").backward()
+    f = only(gw, "nonscalar_backward")
+    assert "per-element output of MseLoss" in f.message and "no reduction in between" not in f.message
+
+
 def test_nonscalar_backward_gives_the_shape_and_the_reduction() -> None:
     torch.manual_seed(0)
     model = Net()
