@@ -360,46 +360,44 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
-    kind = type(optimizer).__name__
+def _optimizer_finding(kind: str, optimizer: Any, names: list[str], step: int, message: str) -> Finding:
+    """A warning about an optimizer gradwatch does not watch, over ``names`` of the watched model."""
     return Finding(
-        kind="unwatched_optimizer",
+        kind=kind,
         step=step,
         severity="warning",
-        message=(
-            f"An optimizer gradwatch does not watch ({kind}) is updating {len(names)} parameter(s) of the "
-            f"watched model at step {step}: {names_text(names)}. gradwatch checks updates inside the watched "
-            "optimizers' step() only, so this one's updates are not checked: a NaN/Inf in them is neither "
-            "skipped nor reported.\n"
-            "Why it matters: usually the optimizer was re-created after watch() (fine-tuning, a restart with "
-            "another learning rate), or a second optimizer was left out.\n"
-            "Fix: watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
-            "gw = gradwatch.watch(model, [opt_a, opt_b])."
-        ),
+        message=message,
         params=tuple(names),
-        data={"optimizer_class": kind, "count": len(names)},
+        data={"optimizer_class": type(optimizer).__name__, "count": len(names)},
+    )
+
+
+def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
+    return _optimizer_finding(
+        "unwatched_optimizer", optimizer, names, step,
+        f"An optimizer gradwatch does not watch ({type(optimizer).__name__}) is updating {len(names)} parameter(s) "
+        f"of the watched model at step {step}: {names_text(names)}. gradwatch checks updates inside the watched "
+        "optimizers' step() only, so this one's updates are not checked: a NaN/Inf in them is neither "
+        "skipped nor reported.\n"
+        "Why it matters: usually the optimizer was re-created after watch() (fine-tuning, a restart with "
+        "another learning rate), or a second optimizer was left out.\n"
+        "Fix: watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
+        "gw = gradwatch.watch(model, [opt_a, opt_b]).",
     )
 
 
 def _recreated_finding(optimizer: Any, names: list[str], step: int) -> Finding:
-    kind = type(optimizer).__name__
-    return Finding(
-        kind="optimizer_recreated",
-        step=step,
-        severity="warning",
-        message=(
-            f"A new optimizer ({kind}) over the same {len(names)} parameter(s) of the watched model is created "
-            f"for every step (steps {step - 2} to {step}, one step each): {names_text(names)}.\n"
-            "Why it matters: each one starts with an empty state, so the optimizer's memory is thrown away at "
-            "every update: momentum never builds up, Adam's moments restart (its bias correction makes every "
-            "update about lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler "
-            "built on one of them drives none of the later ones. None of these updates is checked by gradwatch "
-            "either.\n"
-            "Fix: create the optimizer once, before the training loop (not inside it), and watch that one: "
-            "gradwatch.watch(model, optimizer)."
-        ),
-        params=tuple(names),
-        data={"optimizer_class": kind, "count": len(names)},
+    return _optimizer_finding(
+        "optimizer_recreated", optimizer, names, step,
+        f"A new optimizer ({type(optimizer).__name__}) over the same {len(names)} parameter(s) of the watched "
+        f"model is created for every step (steps {step - 2} to {step}, one step each): {names_text(names)}.\n"
+        "Why it matters: each one starts with an empty state, so the optimizer's memory is thrown away at "
+        "every update: momentum never builds up, Adam's moments restart (its bias correction makes every "
+        "update about lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler "
+        "built on one of them drives none of the later ones. None of these updates is checked by gradwatch "
+        "either.\n"
+        "Fix: create the optimizer once, before the training loop (not inside it), and watch that one: "
+        "gradwatch.watch(model, optimizer).",
     )
 
 
