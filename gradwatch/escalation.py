@@ -746,6 +746,7 @@ class Escalation:
         _bad, available = self._upstream_state(call)
         with _preserved(model), self._replay_guard(), torch.enable_grad(), _autocast(call.autocast):
             args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+            _set_rng_state(call.rng)
             output = model(*args, **kwargs)
             leaves = [t for t in _output_leaves(output) if isinstance(t, torch.Tensor)]
             checks = [torch.isfinite(t).all() for t in leaves if t.is_floating_point() or t.is_complex()]

@@ -73,7 +73,7 @@ _SLOT_NONZERO = "zero_grad/after_backward_nonzero"
 _SLOT_REWRITTEN = "zero_grad/rewritten_after_backward"
 #: Backward passes per step, each clearing the one before, that arm the sampling (as the check's minimum).
 SAMPLE_PASSES = 3
-#: Elements sampled from the representative's gradient after each backward pass, while armed.
+#: Elements sampled from one parameter's gradient after each backward pass, while armed.
 SAMPLE = 16
 
 
