@@ -642,17 +642,29 @@ def _inplace_untraced(
             module = ctx.display_module(before[1])
     if feeds is not None:
         where.append(f"its output feeds module {ctx.display_module(feeds[1])}")
+    outside = ctx.tracer is not None and ctx.tracer.traced_step and not by_type
     if where:
         why = (
-            "the saved tensor is not an op output gradwatch traced"
+            "no op of the model's forward, traced on this step, produced it: it probably ran after the forward"
+            if outside
+            else "the saved tensor is not an op output gradwatch traced"
             if ctx.tracer is not None and ctx.tracer.traced_step
             else "this step was not traced"
         )
         lines.append(f"Where (approximate: {why}): " + "; ".join(where) + ".")
-    lines.append(
-        "gradwatch names the exact module and the in-place op on the first watched step and while escalated; "
-        "for an exact trace now, run one step under torch.autograd.set_detect_anomaly(True)."
-    )
+    if outside:
+        module = None  # not inside any module: the loss code (or training_step) after the model's output
+        lines.append(
+            f"Probably in the loss code (or training_step): look between the model's forward and backward() for an in-place "
+            f"write to the output of {op or 'that op'}: an indexed assignment (`p[:, 0] = 1.0`), an op ending in `_` "
+            "(`p.clamp_(...)`), or `+=`/`*=`. Write it out of place: `p = p.clone()` before the assignment, or "
+            "`torch.where`/`torch.cat` to build the new tensor."
+        )
+    else:
+        lines.append(
+            "gradwatch names the exact module and the in-place op on the first watched step and while escalated; "
+            "for an exact trace now, run one step under torch.autograd.set_detect_anomaly(True)."
+        )
     data.update(
         module_exact=False,
         follows=None if before is None else ctx.display_module(before[1]),

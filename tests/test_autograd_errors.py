@@ -278,6 +278,17 @@ class Recurrent(nn.Module):
         self.head = nn.Linear(6, 1)
 
 
+def test_inplace_write_in_the_loss_code_points_at_the_loss_code() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), console=False) as gw:
+            p = torch.sigmoid(model(torch.randn(16, 8)))
+            p[:, 0] = 1.0  # into the saved sigmoid output, outside the model
+            p.pow(2).mean().backward()
+    f = only(gw, "inplace_error")
+    assert f.module is None and "Probably in the loss code" in f.message and "p = p.clone()" in f.message
+
+
 def test_backward_twice_from_a_carried_hidden_state() -> None:
     torch.manual_seed(0)
     model = Recurrent()
