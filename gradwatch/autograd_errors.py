@@ -362,7 +362,7 @@ _WHY_INPLACE = (
 )
 
 
-def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
+def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
     shape = tuple(int(s) for s in m.group("shape").replace(" ", "").split(",") if s)
     now, expected = int(m.group("now")), int(m.group("expected"))
     raw_op = m.group("op")
@@ -396,6 +396,8 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding:
     }
     # A parameter (or a view of one) changed in place between forward and backward: optimizer.step().
     param = _modified_param(ctx, consumer, shape, now) if consumer is not None else None
+    if param is None and consumer is not None and _watched_elsewhere(ctx, consumer, shape, now):
+        return None  # another watcher's model owns the parameter (a GAN watched per network): it explains
     if param is not None and (raw_op is None or op in ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")):
         pname, pmodule, pshape = param
         data.update(param=pname, module_exact=True)
@@ -505,6 +507,35 @@ def _modified_param(
                     nxt.append(child)
         frontier = nxt
     return None
+
+
+def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int) -> bool:
+    """The changed tensor is a parameter of another open watcher's model (as ``_modified_param`` finds it)."""
+    from gradwatch.watch import _OPEN
+
+    key = (id(ctx.exc), str(ctx.exc))
+    # Open watchers, and closed ones that explained this very exception (an inner `with` block exits first).
+    others = [
+        w.engine.index.param_name
+        for w in list(_OPEN)
+        if w.engine is not ctx.engine
+        and (not w.closed or (w.engine._explained is not None and w.engine._explained[0] == key))
+    ]
+    if not others:
+        return False
+    frontier = [consumer]
+    for _ in range(3):
+        nxt = []
+        for n in frontier:
+            for child in _children(n):
+                var = getattr(child, "variable", None)
+                if var is None:
+                    nxt.append(child)
+                elif var._version == now and tuple(var.shape) in (shape, tuple(reversed(shape))):
+                    if any(id(var) in names for names in others):
+                        return True
+        frontier = nxt
+    return False
 
 
 def _modified_buffer(ctx: _Context, shape: tuple[int, ...], now: int) -> tuple[str, torch.Tensor] | None:

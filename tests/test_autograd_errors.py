@@ -289,6 +289,29 @@ def test_inplace_write_in_the_loss_code_points_at_the_loss_code() -> None:
     assert f.module is None and "Probably in the loss code" in f.message and "p = p.clone()" in f.message
 
 
+# https://github.com/pytorch/pytorch/issues/39141: D stepped before G_loss.backward(), one watcher per network.
+def test_gan_watched_per_network_is_explained_once_by_the_owner_of_the_parameter() -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 15))
+    disc = nn.Sequential(nn.Linear(15, 16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid())
+    opt_d, opt_g = torch.optim.Adam(disc.parameters(), 1e-3), torch.optim.Adam(gen.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(gen, opt_g, console=False) as gw_g, gradwatch.watch(disc, opt_d, console=False) as gw_d:
+            for _ in range(3):
+                pr, pf = disc(torch.randn(8, 15)), disc(gen(torch.randn(8, 5)))
+                loss_d = -torch.mean(torch.log(pr) + torch.log(1 - pf))
+                loss_g = torch.mean(torch.log(1 - pf))
+                opt_d.zero_grad()
+                loss_d.backward(retain_graph=True)
+                opt_d.step()
+                opt_g.zero_grad()
+                loss_g.backward()
+                opt_g.step()
+    assert gw_g.findings == []  # the generator's watcher leaves it to the discriminator's
+    f = only(gw_d, "inplace_error")
+    assert f.params == ("2.weight",) and "optimizer.step()" in f.message
+
+
 def test_backward_twice_from_a_carried_hidden_state() -> None:
     torch.manual_seed(0)
     model = Recurrent()
