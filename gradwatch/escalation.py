@@ -1037,9 +1037,7 @@ def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The random number generators' state as a forward starts (CPU, and the current CUDA device's): ~1 us,
     no sync. A replay restores it, so it draws the dropout masks and random ops that step drew."""
     try:
-        cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = torch.cuda.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         return torch.get_rng_state(), cuda
     except Exception:  # noqa: BLE001 - a replay without it draws fresh random numbers
         return None
