@@ -490,6 +490,60 @@ def test_hard_batch_of_an_easy_task_is_not_a_spike() -> None:
     assert [f for f in gw.findings if f.kind == "loss_spike"] == [], magnitude(gw)
 
 
+@pytest.mark.parametrize("added", ["add_param_group", "in_optimizer_from_the_start"])
+def test_backbone_unfrozen_mid_run_is_not_an_explosion(added: str) -> None:
+    # Head-only fine-tuning for 150 steps, then the backbone is unfrozen: its gradients join the total norm,
+    # which jumps 11x over the head-only median while the loss keeps falling. Healthy.
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+    model = nn.Sequential(backbone, nn.Linear(64, 5))
+    backbone.requires_grad_(False)
+    params = model[1].parameters() if added == "add_param_group" else model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    x = torch.randn(800, 16)
+    y = (x @ torch.randn(16, 5)).argmax(1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(200):
+            if step == 150:
+                backbone.requires_grad_(True)
+                if added == "add_param_group":
+                    opt.add_param_group({"params": list(backbone.parameters()), "lr": 1e-3})
+            i = torch.randint(0, 800, (64,))
+            loss = nn.functional.cross_entropy(model(x[i]), y[i])
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
+
+
+def test_per_sample_passes_do_not_judge_the_step_by_one_samples_loss() -> None:
+    # DP-SGD by hand: one backward per sample with zero_grad() in between, the summed gradient assigned to
+    # .grad. The loss left for the step is the last sample's; one hard sample there is no loss spike.
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(60):
+            x, y = data()
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for k in range(4):
+                opt.zero_grad()
+                out = model(x[k : k + 1] * (30.0 if step == 50 and k == 3 else 1.0))
+                # one confidently wrong sample, the last of the step
+                target = 1 - out.argmax(1) if step == 50 and k == 3 else y[k : k + 1]
+                loss = nn.functional.cross_entropy(out, target)
+                gw.observe_loss(loss)
+                loss.backward()
+                for t, p in zip(total, model.parameters()):
+                    t += p.grad
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / 4
+            opt.step()
+    assert [f.kind for f in gw.findings if f.kind == "loss_spike"] == [], magnitude(gw)
+
+
 def test_config_rejects_a_bad_update_ratio_band() -> None:
     with pytest.raises(ValueError, match=r"update_ratio_band=\(0.1, 0.001\)"):
         gradwatch.Config(update_ratio_band=(0.1, 0.001))

@@ -56,6 +56,10 @@ _RECORD = "exploding_grad/record"
 RECORD_FACTOR = 2.0
 #: With the loss 100x below its early median, a spike must exceed this many times the early norm.
 CONVERGED_FACTOR = 10.0
+#: Where the number of gradient tensors the norms are taken over, and the checked steps since, are kept; a
+#: change by more than this fraction restarts the comparison (experts idle on some steps stay within it).
+_COUNT = "exploding/count"
+COUNT_CHANGE = 0.25
 
 
 @once_per_check
@@ -66,6 +70,14 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     i = stats.optimizer_index
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     recent = history.total_norms.get(i, ())
+    # Norms are compared only with steps whose gradients came from about the same tensors: a backbone
+    # unfrozen mid-run (or a head joining) adds its gradients to the total, which is no explosion.
+    ref = history.memory.get(_COUNT, {}).get(i)
+    count = len(stats.names)
+    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
+        recent = ()
+    elif ref[1] < len(recent):
+        recent = list(recent)[len(recent) - ref[1] :]
     log = math.log
     logs = [log(v) for v in recent if v > 0]
     m = median(logs)
@@ -168,6 +180,13 @@ def remember(stats: StepStats, history: History) -> None:
         return
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
+    counts = history.memory.setdefault(_COUNT, {})
+    ref = counts.get(stats.optimizer_index)
+    count = len(stats.names)
+    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
+        counts[stats.optimizer_index] = (count, 1)
+    else:
+        counts[stats.optimizer_index] = (ref[0], ref[1] + 1)
     reported = stats.extra.get(_RECORD)
     if isinstance(reported, float):
         records = history.memory.setdefault(_RECORD, {})
@@ -230,7 +249,8 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         "Fix: clip gradients (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0) between "
         "backward() and optimizer.step()), lower the learning rate or lengthen its warm-up, and check the "
         "batch for outliers; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
-        "LSTM/GRU; for deep nets add normalization or residual connections."
+        "LSTM/GRU; for deep nets add normalization or residual connections. (If the objective changed at this "
+        "step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is expected.)"
     )
     top = sorted(layers.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:5]
     return Finding(

@@ -48,6 +48,11 @@ def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | No
     loss = stats.loss
     if loss is None or stats.loss_nonfinite or not math.isfinite(loss) or len(history.losses) < MIN_HISTORY:
         return None
+    passes = stats.extra.get("backward_passes")
+    if isinstance(passes, tuple) and passes[1] > 0:
+        # zero_grad() between this step's backward passes (per-sample gradients, DP-SGD by hand): the loss
+        # left for the step is the last pass's only, one sample's, not the step's.
+        return None
     m, spread = robust_spread(history.losses)
     if not math.isfinite(m):
         return None
@@ -92,7 +97,9 @@ def check(stats: Any, history: History, config: Config) -> list[Finding]:
                 "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
                 "Fix: lower the learning rate or lengthen warm-up, clip gradients "
                 "(torch.nn.utils.clip_grad_norm_), and check this step's batch for bad samples or labels; "
-                "with mixed precision, check for overflow in the loss."
+                "with mixed precision, check for overflow in the loss. (If the objective or the data changed "
+                "at this step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is "
+                "expected.)"
             ),
             data={"loss": loss, "median": m, "spread": spread, "optimizer": stats.optimizer_index},
         )
