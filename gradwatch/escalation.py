@@ -1118,7 +1118,15 @@ class _InertOptimizer:
         return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if callable(value) and name not in _READ_ONLY:
+            # Other methods of the optimizer move the weights too (SAM's first_step/second_step, which
+            # calls base_optimizer.step()): inert during the replay.
+            return lambda *args, **kwargs: None
+        return value
+
+
+_READ_ONLY = frozenset({"state_dict", "__repr__", "__str__"})
 
 
 class _InertScheduler(_InertOptimizer):

@@ -35,6 +35,7 @@ from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
 from gradwatch.report import internal_warning
+from gradwatch.watch import _stepping
 
 INSTALL_HINT = 'pip install "gradwatch[lightning]"'
 
@@ -232,8 +233,13 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._skip_pending.clear()
         self._backward_seen = False
         for i, opt in enumerate(optimizers):
-            self._handles.append(opt.register_step_pre_hook(functools.partial(self._before_step, i)))
-            self._handles.append(opt.register_step_post_hook(functools.partial(self._after_step, i)))
+            # SAM-style wrappers update through their base optimizer's step() (first_step/second_step):
+            # the hooks go where the update is applied, as in a plain loop.
+            stepping = _stepping(opt)
+            if stepping is not opt:
+                self._optimizer_ids.setdefault(id(stepping), i)
+            self._handles.append(stepping.register_step_pre_hook(functools.partial(self._before_step, i)))
+            self._handles.append(stepping.register_step_post_hook(functools.partial(self._after_step, i)))
 
     # -- the step ----------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -304,13 +310,40 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         elif due and i in self._in_step:
             self._reevaluations[i] = [1, None, False]
 
+    def _check_raw_step(self, index: int) -> None:
+        engine = self.engine
+        if engine is None or engine.closed:
+            return
+        self._checked.add(index)
+        self._backward_seen = False
+        # Lightning's global_step counts LightningOptimizer steps only (it stays put here): the engine's own
+        # count labels the step.
+        if engine.check_step(index, due=engine.should_check(index)) == "skip":
+            self._skip_pending.add(index)
+
     def _suppress_if_skipped(self, index: int) -> None:
         if index in self._skip_pending and self.engine is not None:
             self._skip_pending.discard(index)
             self.engine.suppress_update(index)
 
+    def _replaying(self) -> bool:
+        """A localization replay of training_step is running (it must update nothing)."""
+        engine = self.engine
+        return engine is not None and any(getattr(e, "_replaying", False) for e in engine.extensions)
+
     def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        if self._replaying():
+            # An optimizer stepped from inside the replayed training_step, past its inert stand-in: no update.
+            if self.engine is not None:
+                self.engine.suppress_update(index)
+            return None
         self._in_step.add(index)
+        pos = 1 if args and args[0] is optimizer else 0
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[pos] if len(args) > pos else None)
+        if closure is None and not self._automatic and index not in self._checked:
+            # Manual optimization stepping the torch optimizer itself (optimizers(use_pl_optimizer=False),
+            # SAM's base_optimizer.step()): Lightning's on_before_optimizer_step does not run, check here.
+            self._check_raw_step(index)
         self._suppress_if_skipped(index)
         closure = kwargs.get("closure")
         if closure is None or not callable(closure):
@@ -331,6 +364,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         return args, dict(kwargs, closure=gradwatch_closure)
 
     def _after_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._replaying():
+            if self.engine is not None:
+                self.engine.restore_grads()
+            return
         self._in_step.discard(index)
         if index in self._checked:
             self._finish(index)

@@ -68,7 +68,8 @@ def tiny_module(ns: Any, **kwargs: Any) -> Any:
 def manual_module(ns: Any, **kwargs: Any) -> Any:
     """Manual optimization with two optimizers (body and head), like a GAN-style loop.
 
-    Keyword arguments: ``nan_at`` (batch index whose loss is made NaN), ``lr``.
+    Keyword arguments: ``nan_at`` (batch index whose loss is made NaN), ``lr``, ``raw`` (step the torch
+    optimizers themselves: ``self.optimizers(use_pl_optimizer=False)``).
     """
     return _module_class(ns, "manual")(**kwargs)
 
@@ -130,19 +131,19 @@ def _build_auto(ns: Any) -> type:
 
 def _build_manual(ns: Any) -> type:
     class ManualModule(ns.LightningModule):  # type: ignore[misc,name-defined]
-        def __init__(self, nan_at: int | None = None, lr: float = 0.05) -> None:
+        def __init__(self, nan_at: int | None = None, lr: float = 0.05, raw: bool = False) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.automatic_optimization = False
             self.body = nn.Linear(8, 16)
             self.head = nn.Linear(16, 1)
-            self.nan_at, self.lr = nan_at, lr
+            self.nan_at, self.lr, self.raw = nan_at, lr, raw
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(torch.tanh(self.body(x)))
 
         def training_step(self, batch: Any, batch_idx: int) -> None:
-            opt_body, opt_head = self.optimizers()
+            opt_body, opt_head = self.optimizers(use_pl_optimizer=not self.raw)  # raw: torch's own step()
             x, y = batch
             loss = nn.functional.mse_loss(self(x), y)
             if self.nan_at is not None and batch_idx == self.nan_at:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import lightning_namespace, manual_module, tiny_module, tiny_trainer
 
-lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
+pl = lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
 
 import gradwatch  # noqa: E402
 from gradwatch.lightning import GradWatchCallback  # noqa: E402
@@ -520,3 +520,55 @@ def test_manual_accumulation_with_zero_grad_in_every_batch_is_flagged(pl_ns: Any
     tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=1).fit(Accumulating(), tiny_data())
     found = [(f.kind, f.step, f.severity) for f in cb.findings]
     assert found == ([("zero_grad_in_accumulation", 1, "warning")] if bug else [])
+
+
+# Manual optimization stepping torch's optimizers directly (https://github.com/Lightning-AI/pytorch-lightning/issues/16143):
+# Lightning's on_before_optimizer_step never runs; nothing was checked and the NaN reached the weights.
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_manual_optimization_with_raw_optimizers_is_checked_and_the_nan_step_skipped(namespace: str) -> None:
+    ns = lightning_namespace(namespace)
+    cb = GradWatchCallback(console=False)
+    model = manual_module(ns, nan_at=3, raw=True)
+    trainer = tiny_trainer(ns, [cb], max_steps=-1, max_epochs=1, limit_train_batches=6)
+    trainer.fit(model)
+    kinds = {(f.kind, f.step) for f in cb.findings}
+    assert ("nonfinite_loss", 3) in kinds, kinds
+    assert cb.engine.steps_skipped == 2  # both optimizers' updates of that batch
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_sam_under_manual_optimization_is_watched_through_its_base_optimizer() -> None:
+    from test_optimizer_setups import SAM
+
+    class SamModule(pl.LightningModule):  # first_step / second_step, as in the issue above
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            x, y = batch
+            if batch_idx == 3:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            self.manual_backward(torch.nn.functional.mse_loss(self.body(x), y))
+            opt.first_step(zero_grad=True)
+            self.manual_backward(torch.nn.functional.mse_loss(self.body(x), y))
+            opt.second_step(zero_grad=True)
+
+        def configure_optimizers(self) -> Any:
+            return SAM(self.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+
+        def train_dataloader(self) -> Any:
+            from conftest import tiny_data
+
+            return tiny_data()
+
+    cb = GradWatchCallback(console=False)
+    model = SamModule()
+    tiny_trainer(pl, [cb], max_steps=-1, max_epochs=1, limit_train_batches=6).fit(model)
+    assert ("nonfinite_grad", 3) in {(f.kind, f.step) for f in cb.findings}, [(f.kind, f.step) for f in cb.findings]
+    assert cb.engine.steps_skipped == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # SAM restores the weights, gradwatch skips
