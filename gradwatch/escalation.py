@@ -1283,7 +1283,7 @@ def _poisoned_finding(
             )
         elif every > 1:
             why = (
-                f"gradwatch checks every {every}th step (every={every}), so a non-finite update on a step in "
+                f"gradwatch checks one step in {every} (every={every}), so a non-finite update on a step in "
                 "between was applied unchecked (or they were loaded from a checkpoint or written outside the "
                 "optimizer); every step is non-finite from then on."
             )
