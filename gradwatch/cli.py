@@ -217,7 +217,9 @@ def _summarize_one(d: str) -> RunReport | None:
     nonfinite = scalars.get(PREFIX + "nonfinite_grads")
     if nonfinite:
         rep.nonfinite_steps = sum(1 for _, v in nonfinite if v > 0)
-    loss = scalars.get(PREFIX + "loss")
+    loss = scalars.get(PREFIX + "loss") or next(
+        (pts for tag, pts in sorted(scalars.items()) if tag.startswith(PREFIX + "loss_opt")), None
+    )
     if loss:
         rep.loss_first, rep.loss_last = loss[0][1], loss[-1][1]
     rep.findings = _kinds(records, scalars)

@@ -34,7 +34,7 @@ CHARTS: dict[str, list[str]] = {
     "gradient norm (total)": [r"gradwatch/grad_norm/total.*"],
     "gradient norm per layer": [r"gradwatch/grad_norm/(?!total).*"],
     "update / weight ratio per layer": [r"gradwatch/update_ratio/.*"],
-    "loss": [r"gradwatch/loss$"],
+    "loss": [r"gradwatch/loss(_opt\d+)?$"],
     "skipped steps and non-finite gradients": [r"gradwatch/skipped_steps$", r"gradwatch/nonfinite_grads$"],
     "findings by kind": [r"gradwatch/findings/.*"],
 }
@@ -70,7 +70,7 @@ def read_layout(log_dir: str) -> Any | None:
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     found = None
-    for path in sorted(glob.glob(os.path.join(glob.escape(log_dir), "*tfevents*"))):
+    for path in sorted(glob.glob(os.path.join(glob.escape(log_dir), "*tfevents*")), key=_event_file_order):
         try:
             for raw in RawEventFileLoader(path).Load():
                 if _CONFIG_TAG.encode() not in raw:
@@ -82,6 +82,18 @@ def read_layout(log_dir: str) -> Any | None:
         except Exception:  # noqa: BLE001 - a torn file being written: use what was read
             continue
     return found
+
+
+def _event_file_order(path: str) -> tuple[int, int, str]:
+    """Creation order of ``events.out.tfevents.<time>.<host>.<pid>.<n>`` files: by time, then by the
+    process's writer counter as a number (as text, writer 10 sorts before writer 9)."""
+    parts = os.path.basename(path).split(".")
+    try:
+        when = int(parts[parts.index("tfevents") + 1])
+    except (ValueError, IndexError):
+        when = 0
+    last = parts[-1]
+    return when, int(last) if last.isdigit() else 0, path
 
 
 def merge_layouts(existing: Any | None, ours: Any) -> Any:

@@ -612,7 +612,7 @@ class Engine:
                     tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
                 out[tag] = v
         if stats.loss is not None:
-            out["gradwatch/loss"] = stats.loss
+            out[f"gradwatch/loss{suffix}"] = stats.loss  # a GAN's two losses: two series
         counters = {"gradwatch/skipped_steps": float(self.steps_skipped),
                     "gradwatch/nonfinite_grads": float(len(stats.nonfinite))}
         for kind, n in self.kind_counts.items():

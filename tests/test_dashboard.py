@@ -134,3 +134,12 @@ def test_dashboard_renders_in_headless_chromium(tmp_path) -> None:
     assert tool.screenshot(log_dir, out, chromium) == []
     with open(out, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_last_layout_is_found_when_writer_numbers_cross_a_digit(tmp_path) -> None:
+    # Event files of one process in one second differ by a writer counter: writer 10 was created after 9.
+    from gradwatch.dashboard import _event_file_order
+
+    names = [f"events.out.tfevents.1700000000.host.42.{n}" for n in (9, 10, 2)]
+    ordered = sorted((str(tmp_path / n) for n in names), key=_event_file_order)
+    assert [p.rsplit(".", 1)[1] for p in ordered] == ["2", "9", "10"]
