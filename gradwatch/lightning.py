@@ -130,6 +130,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self.config: Config = make_config(on_nonfinite=on_nonfinite, log_dir=log_dir, **config)
         self.engine: Engine | None = None
         self._trainer: weakref.ReferenceType[Any] | None = None
+        self._escalation: tuple[Any, Any] | None = None  # (engine, its Escalation): asked at every step
         self._handles: list[Any] = []
         self._optimizer_ids: dict[int, int] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -328,8 +329,12 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
     def _replaying(self) -> bool:
         """A localization replay of training_step is running (it must update nothing)."""
-        engine = self.engine
-        return engine is not None and any(getattr(e, "_replaying", False) for e in engine.extensions)
+        esc = self._escalation
+        if esc is None or esc[0] is not self.engine:
+            engine = self.engine
+            found = next((e for e in engine.extensions if hasattr(e, "_replaying")), None) if engine else None
+            self._escalation = esc = (engine, found)
+        return bool(getattr(esc[1], "_replaying", False))
 
     def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if self._replaying():
