@@ -489,23 +489,29 @@ def node_op_name(raw: str) -> str:
     return raw[:i] if i > 0 else raw
 
 
-def _modified_param(
-    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int
-) -> tuple[str, str, tuple[int, ...]] | None:
+def _changed_leaves(consumer: Any, shape: tuple[int, ...], now: int) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(AccumulateGrad node, leaf)`` within three steps of ``consumer`` whose leaf is at version ``now``
+    with the saved tensor's shape (or its transpose): the tensor changed in place."""
     frontier = [consumer]
     for _ in range(3):
         nxt = []
         for n in frontier:
             for child in _children(n):
                 var = getattr(child, "variable", None)
-                if var is not None:
-                    if var._version == now and tuple(var.shape) in (shape, tuple(reversed(shape))):
-                        found = ctx.param_of(child)
-                        if found is not None:
-                            return found[0], found[1], tuple(var.shape)
-                else:
+                if var is None:
                     nxt.append(child)
+                elif var._version == now and tuple(var.shape) in (shape, tuple(reversed(shape))):
+                    yield child, var
         frontier = nxt
+
+
+def _modified_param(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int
+) -> tuple[str, str, tuple[int, ...]] | None:
+    for node, var in _changed_leaves(consumer, shape, now):
+        found = ctx.param_of(node)
+        if found is not None:
+            return found[0], found[1], tuple(var.shape)
     return None
 
 
@@ -521,21 +527,9 @@ def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now
         if w.engine is not ctx.engine
         and (not w.closed or (w.engine._explained is not None and w.engine._explained[0] == key))
     ]
-    if not others:
-        return False
-    frontier = [consumer]
-    for _ in range(3):
-        nxt = []
-        for n in frontier:
-            for child in _children(n):
-                var = getattr(child, "variable", None)
-                if var is None:
-                    nxt.append(child)
-                elif var._version == now and tuple(var.shape) in (shape, tuple(reversed(shape))):
-                    if any(id(var) in names for names in others):
-                        return True
-        frontier = nxt
-    return False
+    return bool(others) and any(
+        any(id(var) in names for names in others) for _node, var in _changed_leaves(consumer, shape, now)
+    )
 
 
 def _modified_buffer(ctx: _Context, shape: tuple[int, ...], now: int) -> tuple[str, torch.Tensor] | None:
