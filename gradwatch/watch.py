@@ -328,7 +328,7 @@ def _install_excepthook() -> None:
                 for w in list(_OPEN):
                     if not w.closed:
                         w.engine.explain_exception(exc)
-        except Exception:  # noqa: BLE001 - Python's own report must follow whatever happens here
+        except Exception:  # noqa: BLE001, S110 - Python's own report must follow whatever happens here
             pass
         previous(exc_type, exc, tb)
 
