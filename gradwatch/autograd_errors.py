@@ -680,8 +680,8 @@ def _inplace_untraced(
     if outside:
         module = None  # not inside any module: the loss code (or training_step) after the model's output
         lines.append(
-            f"Probably in the loss code (or training_step): look between the model's forward and backward() for an in-place "
-            f"write to the output of {op or 'that op'}: an indexed assignment (`p[:, 0] = 1.0`), an op ending in `_` "
+            "Probably in the loss code (or training_step): look between the model's forward and backward() for "
+            f"an in-place write to the output of {op or 'that op'}: an indexed assignment (`p[:, 0] = 1.0`), an op ending in `_` "
             "(`p.clamp_(...)`), or `+=`/`*=`. Write it out of place: `p = p.clone()` before the assignment, or "
             "`torch.where`/`torch.cat` to build the new tensor."
         )

@@ -521,8 +521,9 @@ class Escalation:
             self._poison_reported = False
             result = self._localize()
             if result is not None and self._culprit is not None:
+                losses = getattr(self._culprit, "losses", ())
                 result.loss_nonfinite = any(
-                    not bool(torch.isfinite(l).all()) for l in getattr(self._culprit, "losses", ()) if l.is_floating_point()
+                    not bool(torch.isfinite(l).all()) for l in losses if l.is_floating_point()
                 )
             named = result is not None and result.loc.origin is not None
             # Buffers are checked only when the replay named no op: this step's own forward may have written
@@ -540,7 +541,8 @@ class Escalation:
                 self.localizations.append((stats.step, result.loc))
                 origin_finding = _origin_finding(stats.step, result, layers)
                 out.append(origin_finding)
-        if result is None and not bad_inputs and self.integration == "plain" and not self._calls and self._forwards == 0:
+        no_forward = self.integration == "plain" and not self._calls and self._forwards == 0
+        if result is None and not bad_inputs and no_forward:
             out.append(_no_forward_finding(stats.step, type(self.model).__name__ if self.model is not None else "model"))
         note = None
         if result is None and not bad_inputs:

@@ -102,7 +102,9 @@ def _unregistered(stats: StepStats, unregistered: list[tuple[str, str]]) -> Find
             "creates a freshly initialized layer each time: it never learns, and its random weights change "
             "the output at every step)"
         )
-        fixes.append("create the layer once in __init__ (`self.head = nn.Linear(16, 1)`) and call `self.head(h)` in forward")
+        fixes.append(
+            "create the layer once in __init__ (`self.head = nn.Linear(16, 1)`) and call `self.head(h)` in forward"
+        )
     if containers:
         what.append(f"modules kept in a plain Python list or dict ({', '.join(containers)})")
         fixes.append("hold the modules in nn.ModuleList([...]) / nn.ModuleDict({...}) instead of a list or dict")
