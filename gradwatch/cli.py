@@ -67,6 +67,7 @@ class RunReport:
     loss_first: float | None = None
     loss_last: float | None = None
     incidents: list[dict[str, str]] = field(default_factory=list)
+    earlier_runs: int = 0  # other watchers' findings in the same gradwatch.jsonl (not counted)
 
     @property
     def healthy(self) -> bool:
@@ -93,6 +94,12 @@ class RunReport:
         head.add_column(style="bold")
         head.add_column()
         head.add_row("run", self.run_dir)
+        if self.earlier_runs:
+            head.add_row(
+                "earlier runs",
+                f"{self.earlier_runs} earlier run(s) wrote to this log_dir: the findings below are the latest run's "
+                "(the charts of every run share the TensorBoard files; use a new log_dir per run)",
+            )
         head.add_row("steps", f"{self.steps} ({self.steps_logged} checked steps logged)")
         head.add_row("skipped updates", str(self.skipped_steps))
         if self.nonfinite_steps:
@@ -202,6 +209,10 @@ def _summarize_one(d: str) -> RunReport | None:
     if not scalars and not records:
         return None
     rep = RunReport(run_dir=d)
+    runs = list(dict.fromkeys(r["run"] for r in records if isinstance(r.get("run"), str)))
+    if len(runs) > 1:  # runs that reused this log_dir appended to one file: the latest one's findings
+        rep.earlier_runs = len(runs) - 1
+        records = [r for r in records if r.get("run") == runs[-1]]
     totals = sorted(
         ((s, v) for tag, pts in scalars.items() if tag.startswith(PREFIX + "grad_norm/total") for s, v in pts),
         key=lambda sv: sv[0],

@@ -97,10 +97,12 @@ class Engine:
         tb_writer: Any = None,
         rank_zero: bool = True,
         tb_log_dir: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.optimizers = list(optimizers)
+        self._run_id = run_id  # the "run" of gradwatch.jsonl records (a Lightning callback's, across fits)
         self.rank_zero = rank_zero
         self.index = ParamIndex(model, self.optimizers)
         self.history = History(window=config.window)
@@ -185,7 +187,7 @@ class Engine:
         jsonl_dir = self.log_dir if tb_writer is not None else c.log_dir
         if jsonl_dir is not None:
             try:
-                self.reporters.add(JsonlReporter(jsonl_dir))
+                self.reporters.add(JsonlReporter(jsonl_dir, run=self._run_id))
                 self.log_dir = jsonl_dir
             except Exception as exc:  # noqa: BLE001
                 self._warn_unwritable(jsonl_dir, exc)

@@ -35,6 +35,7 @@ from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
 from gradwatch.report import internal_warning
+from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping
 
 INSTALL_HINT = 'pip install "gradwatch[lightning]"'
@@ -131,6 +132,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self.engine: Engine | None = None
         self._trainer: weakref.ReferenceType[Any] | None = None
         self._escalation: tuple[Any, Any] | None = None  # (engine, its Escalation): asked at every step
+        self._run_id = new_run_id()  # one run in gradwatch.jsonl across this callback's fits
         self._handles: list[Any] = []
         self._optimizer_ids: dict[int, int] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -213,7 +215,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
                 )
             return
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
-        engine = Engine(pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir)
+        engine = Engine(
+            pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir,
+            run_id=self._run_id,
+        )
         self.engine = engine
         try:
             for ext in default_extensions(engine, scaler=_scaler(trainer), integration="lightning"):

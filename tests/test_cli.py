@@ -122,3 +122,39 @@ def test_python_dash_m_gradwatch_runs_the_cli(tmp_path) -> None:
 def test_sparkline_scales_logarithmically() -> None:
     assert sparkline([1.0, 10.0, 100.0, 1000.0]) == "▁▃▆█"
     assert sparkline([]) == ""
+
+
+def test_a_log_dir_reused_by_a_second_run_summarizes_the_latest_run(tmp_path) -> None:
+    log_dir = str(tmp_path / "exp1")  # the same log_dir for both runs, as a re-run of a script does
+    for nan_at in (2, None):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with gradwatch.watch(model, opt, console=False, log_dir=log_dir) as gw:
+            for step in range(4):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                if step == nan_at:
+                    loss = loss * float("nan")
+                gw.observe_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    runs = {json.loads(line)["run"] for line in open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8")}
+    assert len(runs) == 1  # only the first run had findings
+    (report,) = summarize(log_dir)
+    assert report.findings and report.earlier_runs == 0
+    # A third run with its own finding: the first run's are no longer counted.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, log_dir=log_dir) as gw:
+        loss = model(torch.randn(8, 4)).pow(2).mean() * float("inf")
+        gw.observe_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    (report,) = summarize(log_dir)
+    assert report.earlier_runs == 1
+    assert {k.kind for k in report.findings} == {f.kind for f in gw.findings}
+    assert all(k.first_step == 0 for k in report.findings)
+    assert "earlier run(s) wrote to this log_dir" in render(report)

@@ -1,28 +1,39 @@
 """JSON lines reporter: ``log_dir/gradwatch.jsonl``, one object per finding, flushed as it happens.
 
-A crash or kill loses at most the line being written; readers skip a torn last line.
+A crash or kill loses at most the line being written; readers skip a torn last line. Each record carries
+``"run"``, an id of the watcher that wrote it: runs that reuse a ``log_dir`` append to the same file, and
+``gradwatch summary`` reads the latest run's records.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from typing import Any, Iterator
 
 from gradwatch.findings import Finding
 from gradwatch.report import dir_identity, recreate_log_dir
 
 FILENAME = "gradwatch.jsonl"
+_RUNS = itertools.count()
+
+
+def new_run_id() -> str:
+    """An id for the records of one run (one watcher; one Lightning callback across its fits)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{next(_RUNS)}"
 
 
 class JsonlReporter:
     """Appends each finding as one line of JSON to ``log_dir/gradwatch.jsonl``."""
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, run: str | None = None) -> None:
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self._dir_identity = dir_identity(log_dir)
         self.path = os.path.join(log_dir, FILENAME)
+        self.run = run or new_run_id()
         self._file: Any = self._open()
 
     def _open(self) -> Any:
@@ -40,7 +51,7 @@ class JsonlReporter:
         return f
 
     def finding(self, finding: Finding) -> None:
-        self.write(finding.to_dict())
+        self.write({**finding.to_dict(), "run": self.run})
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, allow_nan=False) + "\n"
