@@ -517,6 +517,40 @@ def test_backbone_unfrozen_mid_run_is_not_an_explosion(added: str) -> None:
     assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: float) -> torch.Tensor:
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g * ctx.k, None
+
+
+def test_gradient_explosion_in_a_mixture_of_experts_is_reported() -> None:
+    # A different expert per step: the number of tensors with a gradient changes every step (idle experts),
+    # which must not restart the norm comparison; at step 120 the gradients alone jump 100x.
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+    head = nn.Linear(16, 2)
+    model = nn.ModuleDict({"experts": experts, "head": head})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = batches()
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(140):
+            x, y = data()
+            chosen = {(step + k * 3) % 8 for k in range(1 + step % 3)}  # 1, 2 or 3 experts: 4, 6 or 8 tensors
+            h = sum(experts[e](x) for e in chosen)
+            h = _ScaleGrad.apply(h, 100.0 if step == 120 else 1.0)
+            loss = nn.functional.cross_entropy(head(torch.relu(h)), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.step for f in gw.findings if f.kind == "exploding_grad"] == [120], magnitude(gw)
+
+
 def test_per_sample_passes_do_not_judge_the_step_by_one_samples_loss() -> None:
     # DP-SGD by hand: one backward per sample with zero_grad() in between, the summed gradient assigned to
     # .grad. The loss left for the step is the last sample's; one hard sample there is no loss spike.

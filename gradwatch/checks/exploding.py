@@ -56,8 +56,8 @@ _RECORD = "exploding_grad/record"
 RECORD_FACTOR = 2.0
 #: With the loss 100x below its early median, a spike must exceed this many times the early norm.
 CONVERGED_FACTOR = 10.0
-#: Where the number of gradient tensors the norms are taken over, and the checked steps since, are kept; a
-#: change by more than this fraction restarts the comparison (experts idle on some steps stay within it).
+#: Where the number of trainable tensors the norms are taken over, and the checked steps since, are kept; a
+#: change by more than this fraction (layers unfrozen or added) restarts the comparison.
 _COUNT = "exploding/count"
 COUNT_CHANGE = 0.25
 
@@ -73,7 +73,7 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     # Norms are compared only with steps whose gradients came from about the same tensors: a backbone
     # unfrozen mid-run (or a head joining) adds its gradients to the total, which is no explosion.
     ref = history.memory.get(_COUNT, {}).get(i)
-    count = len(stats.names)
+    count = _trainable(stats)
     if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
         recent = ()
     elif ref[1] < len(recent):
@@ -97,6 +97,12 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "logs": logs,
         "param_total": weight_summary(param_norms_of(stats, history))[1],
     }
+
+
+def _trainable(stats: StepStats) -> int:
+    """The optimizer's trainable tensors (with a gradient this step or not): it changes when layers are
+    unfrozen or added, not when experts of a mixture are idle for a step."""
+    return len(stats.names) + len(stats.none_grad)
 
 
 def _spread(facts: dict[str, Any]) -> float:
@@ -182,7 +188,7 @@ def remember(stats: StepStats, history: History) -> None:
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
     counts = history.memory.setdefault(_COUNT, {})
     ref = counts.get(stats.optimizer_index)
-    count = len(stats.names)
+    count = _trainable(stats)
     if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
         counts[stats.optimizer_index] = (count, 1)
     else:
