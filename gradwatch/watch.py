@@ -210,11 +210,12 @@ class Watcher:
                 seen = self._unwatched[optimizer] = [step, 1]
                 self._unwatched_reach = max(self._unwatched_reach, step + 1)
                 last, self._last_unwatched = self._last_unwatched, (tuple(names), seen)
-                if last is not None and last[0] == tuple(names) and last[1][1] == 1:
-                    # Its predecessor over the same parameters took one step: one new optimizer per step.
+                if last is not None and last[0] == tuple(names) and last[1][1] <= RECREATED_STEPS:
+                    # Its predecessor over the same parameters took a step or a few: a new optimizer every
+                    # few steps (inside the training loop), not a restart between training stages.
                     self._recreated += 1
                     if self._recreated == 2:
-                        self.engine.add_finding(_recreated_finding(optimizer, names, step))
+                        self.engine.add_finding(_recreated_finding(optimizer, names, step, last[1][1]))
                     return
                 self._recreated = 0
                 self.engine.add_finding(_unwatched_finding(optimizer, names, step))
@@ -360,6 +361,11 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+#: A new unwatched optimizer over the same parameters after at most this many steps of its predecessor, twice
+#: in a row: re-created inside the training loop.
+RECREATED_STEPS = 3
+
+
 def _optimizer_finding(kind: str, optimizer: Any, names: list[str], step: int, message: str) -> Finding:
     """A warning about an optimizer gradwatch does not watch, over ``names`` of the watched model."""
     return Finding(
@@ -386,11 +392,12 @@ def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
     )
 
 
-def _recreated_finding(optimizer: Any, names: list[str], step: int) -> Finding:
+def _recreated_finding(optimizer: Any, names: list[str], step: int, each: int) -> Finding:
+    every = "for every step" if each == 1 else f"every {each} steps"
     return _optimizer_finding(
         "optimizer_recreated", optimizer, names, step,
         f"A new optimizer ({type(optimizer).__name__}) over the same {len(names)} parameter(s) of the watched "
-        f"model is created for every step (steps {step - 2} to {step}, one step each): {names_text(names)}.\n"
+        f"model is created {every} (the third one at step {step}): {names_text(names)}.\n"
         "Why it matters: each one starts with an empty state, so the optimizer's memory is thrown away at "
         "every update: momentum never builds up, Adam's moments restart (its bias correction makes every "
         "update about lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler "

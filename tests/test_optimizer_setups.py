@@ -305,18 +305,20 @@ def test_nan_in_one_of_two_optimizers_skips_and_says_only_that_optimizer() -> No
     assert f.step == 2 and "skipped optimizer 0's update" in f.message
 
 
-def test_optimizer_created_inside_the_loop_is_reported_once_as_recreated() -> None:
+@pytest.mark.parametrize("every", [1, 2])
+def test_optimizer_created_inside_the_loop_is_reported_once_as_recreated(every: int) -> None:
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with gradwatch.watch(model, opt, console=False) as gw:
-        for x, y in data(10):
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the bug: a fresh state every step
+        for i, (x, y) in enumerate(data(20)):
+            if i % every == 0:
+                opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the bug: a fresh state every step or two
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
     kinds = [(f.kind, f.step) for f in gw.findings]
-    assert kinds == [("unwatched_optimizer", 0), ("optimizer_recreated", 2)], kinds
+    assert kinds == [("unwatched_optimizer", 0), ("optimizer_recreated", 2 * every)], kinds
     assert "before the training loop" in gw.findings[1].message
 
 
@@ -332,3 +334,16 @@ def test_optimizer_recreated_every_epoch_is_not_per_step() -> None:
                 loss.backward()
                 opt.step()
     assert {f.kind for f in gw.findings} == {"unwatched_optimizer"}
+
+
+def test_a_fresh_parameter_added_to_the_optimizer_every_step_is_reported_once() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(12):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})  # piles up, never used
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in gw.findings] == ["foreign_params"]

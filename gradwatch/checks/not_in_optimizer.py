@@ -57,7 +57,11 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         )
     if replaced:
         shown: tuple[str, ...] = ()
-    elif stats.foreign and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign:
+    elif (
+        stats.foreign
+        and history.reported.get(f"foreign/{stats.optimizer_index}") != stats.foreign
+        and not history.reported.get(f"foreign_reported/{stats.optimizer_index}")  # once per optimizer
+    ):
         # Parameters of the loss trained with the model (CenterLoss centers, a learned temperature) are
         # foreign but get gradients next to the model's own: not a mistake. Report the optimizer that holds
         # none of the model's parameters, or foreign ones that got no gradient (another model's).
@@ -69,6 +73,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     else:
         shown = ()
     if shown:
+        stats.extra[_FOREIGN_SHOWN] = True  # a note for remember: reported once per optimizer
         out.append(
             Finding(
                 kind="foreign_params",
@@ -80,13 +85,19 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     f"{names_text(shown)}.\n"
                     "Why it matters: usually the optimizer was built for another model (or a copy of this "
                     "one, e.g. before deepcopy or .to() with new parameters), so this model never trains.\n"
-                    "Fix: build the optimizer from this model's parameters: optim.AdamW(model.parameters())."
+                    "Fix: build the optimizer from this model's parameters: optim.AdamW(model.parameters()). "
+                    "(With torch.func.functional_call(model, params, x) and the optimizer over `params`, the "
+                    "module is only a template and this is expected: build it on the meta device, "
+                    "model.to('meta'), and gradwatch stays quiet.)"
                 ),
                 params=shown,
                 data={"count": len(shown), "optimizer": stats.optimizer_index, "all_foreign": all_foreign},
             )
         )
     return out
+
+
+_FOREIGN_SHOWN = "foreign_params/shown"
 
 
 def _unregistered(stats: StepStats, unregistered: list[tuple[str, str]]) -> Finding:
@@ -135,3 +146,5 @@ def remember(stats: StepStats, history: History) -> None:
     if stats.first_check or stats.params_changed:
         history.reported["not_in_optimizer"] = stats.not_in_optimizer
         history.reported[f"foreign/{stats.optimizer_index}"] = stats.foreign
+        if stats.extra.get(_FOREIGN_SHOWN):
+            history.reported[f"foreign_reported/{stats.optimizer_index}"] = True
