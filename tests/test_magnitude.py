@@ -665,6 +665,26 @@ def test_the_same_model_at_a_sane_learning_rate_is_silent() -> None:
 # A DQN's hard target-network sync shifts the regression targets every N steps: the same-size gradient and
 # loss spike each time, on a healthy run (https://github.com/CodeRayZhang/Reinforcement-Learning/issues/1:
 # "every time target_net is updated, the loss fluctuates").
+def test_a_loss_that_starts_near_zero_and_grows_by_design_is_not_diverging() -> None:
+    # A target whose amplitude a curriculum raises from 1% at step 3: the loss starts at ~1e-4 and jumps
+    # 100x, by design; "10x the start" means nothing for a start that close to 0.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(30):
+            x = torch.randn(16, 4)
+            scale = 0.01 if step < 3 else 0.1
+            loss = nn.functional.mse_loss(model(x), scale * x.sum(1, keepdim=True))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in gw.findings if f.kind == "loss_diverging"] == [], magnitude(gw)
+
+
 def test_recurring_spikes_of_the_same_size_are_reported_once() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -6,7 +6,9 @@ in the first steps and keep it there with finite gradients: the rolling windows 
 lowest of its first ``START`` observed losses. Reported once, when the last ``RECENT`` checked losses are
 all above ``FLOOR`` times that start and their median above ``FACTOR`` times it, within the first ``EARLY``
 checked steps. Positive losses only (a
-loss that can be negative has no such scale), and not with several optimizers (GAN losses rise by design).
+loss that can be negative has no such scale), a start of at least ``MIN_START`` (a loss that starts at almost
+zero, an actor's loss from a critic near 0 or a zero-initialized output, has no scale to be 10x of either),
+and not with several optimizers (GAN losses rise by design).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ JUMP = 3.0
 _COUNT = "loss_diverging/checks"
 FACTOR = 10.0
 FLOOR = 3.0
+MIN_START = 1e-3
 _FIRST = "loss_diverging/first"
 _KEY = "loss_diverging"
 
@@ -48,7 +51,7 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
     if stats.loss is None or stats.loss_nonfinite or stats.extra.get("several_optimizers"):
         return None
     start = min(first)
-    if start <= 0:
+    if start < MIN_START:
         return None
     recent = _recent(stats, history)
     if len(recent) < RECENT or min(recent) <= FLOOR * start:
