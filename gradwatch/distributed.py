@@ -269,6 +269,8 @@ class RankAgreement:
         device = self._device(ctx, parts)
         parts = [p.to(device, non_blocking=True) if p.device != device else p for p in parts]
         self._sharded = self._sharded_indices(ctx)
+        if self._sharded:
+            ctx.stats.extra["sharded"] = True  # element counts are of this rank's shards only
         # [world: this step's verdicts][world: a non-finite loss on an earlier batch no update used (one a
         # GradScaler dropped on every rank, or the training code skipped)][sharded squares]
         w = self.world

@@ -262,6 +262,7 @@ def test_fsdp_nan_in_one_ranks_shard_is_skipped_on_both(runs: list[dict[str, Any
     assert kinds(r0) == [("nonfinite_on_other_rank", 3)]
     (f,) = r1["findings"]
     assert (f["kind"], f["params"], f["data"]["rank"]) == ("nonfinite_grad", ["encoder.0.weight"], 1)
+    assert "NaN, 0 Inf in this rank's shards" in f["message"]  # FSDP: the counts are local
 
 
 # -- Lightning strategy="ddp" (two processes on CPU; Lightning starts the second one itself) ----------------

@@ -88,8 +88,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         nan_total = sum(stats.nan_counts.values())
         inf_total = sum(stats.inf_counts.values())
         counted = bool(stats.nan_counts or stats.inf_counts)
+        shards = " in this rank's shards" if stats.extra.get("sharded") else ""  # FSDP: local counts
         counts = (
-            f"{nan_total} NaN, {inf_total} Inf"
+            f"{nan_total} NaN, {inf_total} Inf{shards}"
             if counted
             else "element counts are not read in deferred mode; a finite gradient whose norm overflows float32 "
             "reads as Inf here too"
