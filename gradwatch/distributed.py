@@ -113,6 +113,8 @@ class RankAgreement:
         self._store: Any = None  # the process group's key-value store, where this watcher announced itself
         self._peers_checked = False
         self._solo = False  # some rank has no watcher: no collective of gradwatch's own
+        self._replicas: bool | None = None  # the ranks' parameters agreed at the first check (None: not asked)
+        self._fingerprinted = False
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -274,7 +276,15 @@ class RankAgreement:
         # [world: this step's verdicts][world: a non-finite loss on an earlier batch no update used (one a
         # GradScaler dropped on every rank, or the training code skipped)][sharded squares]
         w = self.world
-        vec = torch.zeros(2 * w + len(self._sharded), dtype=torch.float32, device=device)
+        # Once, on the first check, when no parameter is sharded: are the ranks replicas? [f, f*f] of a
+        # fingerprint of this rank's parameters (their first elements, summed).
+        fingerprint = self._fingerprint(ctx, device) if self._replicas is None and not self._any_sharded else None
+        if fingerprint is None and self._replicas is None:
+            self._replicas = True  # sharded parameters (FSDP), or no fingerprint: asked once only
+        extra = 2 if fingerprint is not None else 0
+        vec = torch.zeros(2 * w + len(self._sharded) + extra, dtype=torch.float32, device=device)
+        if fingerprint is not None:
+            vec[-2:] = torch.stack([fingerprint, fingerprint * fingerprint])
         if parts:
             bad = (~torch.isfinite(torch.cat(parts))).any()
             amp_slot = ctx.slots.get("amp_scaler_skips", -1)
@@ -286,9 +296,39 @@ class RankAgreement:
         if stale_slot >= 0:
             vec[w + self.rank] = (~torch.isfinite(batch.part(stale_slot).to(device))).any().to(torch.float32)
         if self._sharded:
-            vec[2 * w :] = self._local_squares(ctx, device)
+            vec[2 * w : 2 * w + len(self._sharded)] = self._local_squares(ctx, device)
+        self._fingerprinted = fingerprint is not None
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
         self._slot = batch.add(vec)
+
+    def _fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
+        try:
+            params = [p for op in self._engine.index.per_optimizer for p in op.params if p.numel() > 0]
+            if not params:
+                return None
+            firsts = torch.stack([p.detach().reshape(-1)[0].to(device, torch.float32) for p in params[:512]])
+            return firsts.abs().sum() + firsts.sum()
+        except Exception as exc:  # noqa: BLE001 - no fingerprint: the ranks are taken for replicas
+            internal_warning("RankAgreement (fingerprint)", exc, owner=self._engine, key="RankAgreement.fingerprint")
+            return None
+
+    def _same_everywhere(self, total: float, squares: float) -> bool:
+        """From the summed fingerprints: do all ranks hold the same parameters (replicas)? If not, the
+        processes train different models (a k-fold split or a sweep launched with torchrun): no agreement
+        from here on, every rank decides alone. Every rank reads the same sums, so all switch together."""
+        w = self.world
+        mean = total / w
+        spread = squares / w - mean * mean
+        same = spread <= 1e-5 * max(mean * mean, 1e-12) + 1e-12
+        if not same:
+            self._solo = True
+            warnings.warn(
+                "gradwatch: the processes of this torch.distributed run hold different parameters at the first "
+                "checked step, so they train different models, not replicas: each rank decides alone from now "
+                "on (as with rank_agreement=False), and a NaN on one rank no longer skips the others' updates.",
+                stacklevel=2,
+            )
+        return same
 
     def _device(self, ctx: Any, parts: list[torch.Tensor]) -> torch.device:
         dist = _dist()
@@ -358,6 +398,10 @@ class RankAgreement:
             return
         values = ctx.batch.resolve()[self._slot]
         stats: StepStats = ctx.stats
+        if self._fingerprinted:
+            self._fingerprinted = False
+            self._replicas = self._same_everywhere(values[-2], values[-1])
+            values = values[:-2]
         ranks = [r for r in range(self.world) if values[r] > 0]
         dropped = [r for r in range(self.world) if values[self.world + r] > 0]
         if dropped and self.rank not in dropped:

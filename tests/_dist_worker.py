@@ -303,7 +303,26 @@ def ddp_op_nan(rank: int) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
+def independent(rank: int) -> dict[str, Any]:
+    """A k-fold style job: each rank trains its own model (other seeds, no DDP) for its own number of steps,
+    then the ranks exchange a metric. A NaN on rank 1 must skip rank 1's update only."""
+    torch.manual_seed(rank)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for step in range(6 if rank == 0 else 4):
+            loss = model(batch(step, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    metric = torch.tensor([float(rank + 1)])
+    dist.all_reduce(metric)  # the user's own collective after training
+    return {"skipped": gw.engine.steps_skipped, "metric": metric.item(), "findings": [f.to_dict() for f in gw.findings]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "independent": independent,
     "ddp_op_nan": ddp_op_nan,
     "skip": lambda r: replicas(r, "skip"),
     "raise": lambda r: replicas(r, "raise"),

@@ -314,3 +314,10 @@ def test_rank_zero_reports_where_another_ranks_nan_was_born(runs: list[dict[str,
     assert own["step"] == told["step"] == 3
     assert told["data"]["origin_rank"] == 1 and told["op"] == own["op"] == "LogBackward0"
     assert told["message"].startswith("On rank 1")
+
+
+def test_ranks_training_different_models_decide_alone_and_never_pair_collectives(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "independent")
+    assert (r0["skipped"], r1["skipped"]) == (0, 1)  # rank 0's healthy updates went through
+    assert r0["metric"] == r1["metric"] == 3.0  # the user's all_reduce paired with its own counterpart
+    assert ("nonfinite_loss", 3) in kinds(r1) and kinds(r0) == []
