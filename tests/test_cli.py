@@ -125,34 +125,31 @@ def test_sparkline_scales_logarithmically() -> None:
 
 
 def test_a_log_dir_reused_by_a_second_run_summarizes_the_latest_run(tmp_path) -> None:
-    log_dir = str(tmp_path / "exp1")  # the same log_dir for both runs, as a re-run of a script does
-    for nan_at in (2, None):
+    log_dir = str(tmp_path / "exp1")  # the same log_dir for every run, as a re-run of a script does
+
+    def short_run(steps: int, bad_at: int | None, bad: float) -> gradwatch.Watcher:
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with gradwatch.watch(model, opt, console=False, log_dir=log_dir) as gw:
-            for step in range(4):
+            for step in range(steps):
                 loss = model(torch.randn(8, 4)).pow(2).mean()
-                if step == nan_at:
-                    loss = loss * float("nan")
+                if step == bad_at:
+                    loss = loss * bad
                 gw.observe_loss(loss)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+        return gw
+
+    short_run(4, 2, float("nan"))
+    short_run(4, None, 1.0)
     runs = {json.loads(line)["run"] for line in open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8")}
     assert len(runs) == 1  # only the first run had findings
     (report,) = summarize(log_dir)
     assert report.findings and report.earlier_runs == 0
     # A third run with its own finding: the first run's are no longer counted.
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with gradwatch.watch(model, opt, console=False, log_dir=log_dir) as gw:
-        loss = model(torch.randn(8, 4)).pow(2).mean() * float("inf")
-        gw.observe_loss(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    gw = short_run(1, 0, float("inf"))
     (report,) = summarize(log_dir)
     assert report.earlier_runs == 1
     assert {k.kind for k in report.findings} == {f.kind for f in gw.findings}
