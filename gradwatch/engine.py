@@ -583,18 +583,23 @@ class Engine:
             if stats.names and math.isfinite(stats.total_norm) and not skipped:
                 self._sample_norm(stats.total_norm)
             for f in findings:
-                self.add_finding(f)
+                self._keep(f)
+            if findings:
+                self.reporters.findings(findings)
             self.reporters.call("scalars", stats.step, self._scalars(stats, every_value=bool(findings)))
         except Exception as exc:  # noqa: BLE001
             internal_warning("report", exc, owner=self)
 
     def add_finding(self, f: Finding) -> None:
         """Record and report a finding (also used by extensions and the integrations)."""
+        self._keep(f)
+        self.reporters.call("finding", f)
+
+    def _keep(self, f: Finding) -> None:
         if self.finding_tags:
             f.data.update({k: v for k, v in self.finding_tags.items() if k not in f.data})
         self.findings.append(f)
         self.kind_counts[f.kind] += 1
-        self.reporters.call("finding", f)
 
     def _scalars(self, stats: StepStats, *, every_value: bool = False) -> dict[str, float]:
         """This step's TensorBoard scalars. Per-layer norms every ``layer_every`` checked steps (and with

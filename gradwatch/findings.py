@@ -19,6 +19,19 @@ _SEVERITY_STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
 
 #: How many parameter names a rendered finding lists before it says "and N more".
 MAX_NAMES_SHOWN = 8
+#: Rows of a finding's table shown on the console (all of them are in ``data["table"]``).
+MAX_ROWS_SHOWN = 10
+
+#: Kinds that describe one non-finite incident, in the order the console leads with them: where the NaN
+#: came from first, its consequences after.
+INCIDENT_KINDS: tuple[str, ...] = (
+    "nonfinite_input",
+    "nan_origin",
+    "nonfinite_on_other_rank",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "nonfinite_update",
+)
 
 
 @dataclass(frozen=True)
@@ -104,28 +117,42 @@ class Finding:
         return f"{self.title}\n{self.message}"
 
     def __rich__(self) -> Any:
-        from rich.panel import Panel
-        from rich.text import Text
+        return _panel(self, [])
 
-        body = Text(self.message)
-        table = self.data.get("table")
-        renderables: list[Any] = [body]
-        if isinstance(table, list) and table:
-            renderables.append(_table(table))
-        if len(renderables) == 1:
-            content: Any = body
-        else:
-            from rich.console import Group
+    @property
+    def headline(self) -> str:
+        """The message's first paragraph: what happened, without the why and the fix."""
+        return self.message.split("\n", 1)[0]
 
-            content = Group(*renderables)
-        style = _SEVERITY_STYLE.get(self.severity, "white")
-        return Panel(
-            content,
-            title=Text(f"gradwatch {self.severity}: {self.kind} at step {self.step}", style=style),
-            title_align="left",
-            border_style=style,
-            expand=False,
-        )
+
+def incident_panel(head: Finding, others: list[Finding]) -> Any:
+    """One panel for one step's findings of one incident: ``head`` in full (where it was born, its fix),
+    the others by their first paragraph (their tables and generic fixes are in the JSON lines)."""
+    return _panel(head, others)
+
+
+def _panel(f: Finding, others: list[Finding]) -> Any:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    renderables: list[Any] = [Text(f.message)]
+    table = f.data.get("table")
+    if isinstance(table, list) and table:
+        renderables.append(_table(table))
+    if others:
+        renderables.append(Text(f"\nAlso at step {f.step}:", style="bold"))
+        renderables += [Text(f"- {o.kind}: {o.headline}") for o in others]
+    severity = max([f, *others], key=lambda x: SEVERITIES.index(x.severity)).severity
+    style = _SEVERITY_STYLE.get(severity, "white")
+    also = f" (+ {', '.join(o.kind for o in others)})" if others else ""
+    return Panel(
+        renderables[0] if len(renderables) == 1 else Group(*renderables),
+        title=Text(f"gradwatch {severity}: {f.kind}{also} at step {f.step}", style=style),
+        title_align="left",
+        border_style=style,
+        expand=False,
+    )
 
 
 class GradWatchError(RuntimeError):
@@ -158,10 +185,10 @@ def _table(rows: list[dict[str, Any]]) -> Any:
     t = Table(box=None, pad_edge=False, show_edge=False)
     for c in columns:
         t.add_column(c, justify="left" if c in ("param", "module", "layer", "name") else "right")
-    for r in rows[:20]:
+    for r in rows[:MAX_ROWS_SHOWN]:
         t.add_row(*[_fmt(r.get(c)) for c in columns])
-    if len(rows) > 20:
-        t.add_row(f"... {len(rows) - 20} more", *[""] * (len(columns) - 1))
+    if len(rows) > MAX_ROWS_SHOWN:
+        t.add_row(f"... {len(rows) - MAX_ROWS_SHOWN} more", *[""] * (len(columns) - 1))
     return t
 
 

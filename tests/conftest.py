@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Any
 
 import pytest
@@ -26,6 +27,15 @@ def text_console() -> Any:
     from rich.console import Console
 
     return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+def panels(text: str) -> list[tuple[list[str], int]]:
+    """The console's finding panels: (kinds in the title, step) each; an incident's panel lists its kinds."""
+    out = []
+    for title, step in re.findall(r"gradwatch (?:info|warning|error): ([^\n]*?) at step (\d+)", text):
+        head, _, rest = title.partition(" (+ ")
+        out.append(([head, *[k for k in rest.rstrip(")").split(", ") if k]], int(step)))
+    return out
 
 
 def lightning_namespace(name: str) -> Any:

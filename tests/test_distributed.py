@@ -304,7 +304,8 @@ def test_lightning_ddp_findings_carry_ranks_and_only_rank_zero_prints(lightning_
     (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_grad"]
     assert f["step"] == 3 and f["data"]["rank"] == 0 and f["data"]["ranks"] == [0, 1]
     assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
-    assert "nonfinite_grad at step 3" in r0["console"] and r1["console"] == ""
+    assert "nan_origin (+ nonfinite_grad, nonfinite_on_other_rank) at step 3" in r0["console"]
+    assert r1["console"] == ""
 
 
 def test_rank_zero_reports_where_another_ranks_nan_was_born(runs: list[dict[str, Any]]) -> None:

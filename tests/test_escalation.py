@@ -366,7 +366,10 @@ def test_no_batch_file_without_save_batch(tmp_path: Any) -> None:
 def test_origin_panel_in_console(text_console: Any) -> None:
     train(Net("pow"), "pow", on_nonfinite="skip", console=text_console)
     out = text_console.file.getvalue()
-    assert "nan_origin at step 2" in out
+    # One panel for the incident, led by where the NaN was born; the consequences follow by their first line.
+    assert "gradwatch error: nan_origin (+ nonfinite_loss, nonfinite_grad) at step 2" in out
+    assert out.count("╭─ gradwatch") == 1 and "Also at step 2:" in out
+    assert out.index("PowBackward0") < out.index("- nonfinite_grad: ")
     assert "Born in the forward pass of step 2: op PowBackward0 (Tensor.pow) in module encoder.power" in out
     assert "return h.pow(1.5)" in out
     assert "values from -1 to" in out  # the negative base
@@ -945,3 +948,30 @@ def test_a_nan_when_the_loop_calls_submodules_directly_says_why_it_was_not_local
     origin = [f for f in gw.findings if f.kind == "nan_origin"]
     assert [(f.step, f.severity) for f in origin] == [(2, "warning")]
     assert "did not run this step" in origin[0].message and "model(x)" in origin[0].message
+
+
+def test_incident_on_a_deep_model_fits_one_screen(text_console: Any) -> None:
+    # A 24-layer MLP whose loss takes log(softmax) (inf at an underflowed probability): one step's three
+    # findings printed as three panels of 68 lines, the op that caused it in the middle of the third.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(12):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=text_console) as gw:
+        for step in range(4):
+            x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+            logits = model(x) * (1e4 if step == 2 else 1.0)  # saturated logits (a temperature bug)
+            loss = -torch.log(torch.softmax(logits, dim=1)).gather(1, y[:, None]).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert {f.kind for f in gw.findings if f.step == 2} >= {"nan_origin", "nonfinite_grad"}
+    out = text_console.file.getvalue()
+    incident = out[: out.index("gradwatch summary")]
+    assert incident.count("╭─ gradwatch") == 1
+    assert len(incident.splitlines()) <= 36, incident
+    assert incident.index("LogBackward0") < incident.index("- nonfinite_grad: ")
+    assert "... 3 more" in incident  # 13 layer rows, 10 shown

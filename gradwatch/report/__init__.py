@@ -87,6 +87,8 @@ class Reporter(Protocol):
 
     def finding(self, finding: Finding) -> None: ...
 
+    def findings(self, findings: list[Finding]) -> None: ...
+
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
 
     def close(self, summary: Any) -> None: ...
@@ -110,6 +112,24 @@ class Reporters:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - a reporter must never stop training
                 internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
+
+    def findings(self, findings: list[Finding]) -> None:
+        """One step's findings: to reporters that take them together (the console groups an incident's
+        findings into one panel), else one by one."""
+        for r in self.items:
+            together = getattr(r, "findings", None)
+            if together is None:
+                fn = getattr(r, "finding", None)
+                if fn is None:
+                    continue
+            try:
+                if together is not None:
+                    together(findings)
+                else:
+                    for f in findings:
+                        fn(f)
+            except Exception as exc:  # noqa: BLE001 - a reporter must never stop training
+                internal_warning(f"{type(r).__name__}.findings", exc, owner=r, key=type(r).__name__)
 
     def of_type(self, cls: type) -> Any:
         return next((r for r in self.items if isinstance(r, cls)), None)

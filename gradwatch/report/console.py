@@ -1,4 +1,5 @@
-"""Console reporter: quiet on healthy steps, one clear panel per finding, a summary table at close.
+"""Console reporter: quiet on healthy steps, one clear panel per finding (one per non-finite incident), a
+summary table at close.
 
 Prints through rich's global console by default, which renders above rich progress bars (including
 Lightning's ``RichProgressBar``); when tqdm bars are active the print is wrapped in
@@ -12,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any, Iterator
 
-from gradwatch.findings import Finding
+from gradwatch.findings import INCIDENT_KINDS, Finding, incident_panel
 
 
 class ConsoleReporter:
@@ -47,6 +48,22 @@ class ConsoleReporter:
             self.console.print(*renderables)
 
     def finding(self, finding: Finding) -> None:
+        if self._admit(finding):
+            self.print(finding)
+
+    def findings(self, findings: list[Finding]) -> None:
+        """One step's findings: those of one non-finite incident (the loss, the gradients, where the NaN was
+        born) share one panel, the place it was born first; the others get a panel each."""
+        shown = [f for f in findings if self._admit(f)]
+        incident = [f for f in shown if f.kind in INCIDENT_KINDS]
+        if len(incident) > 1:
+            head = min(incident, key=lambda f: INCIDENT_KINDS.index(f.kind))
+            self.print(incident_panel(head, [f for f in incident if f is not head]))
+        for f in shown:
+            if len(incident) <= 1 or all(f is not g for g in incident):
+                self.print(f)
+
+    def _admit(self, finding: Finding) -> bool:
         if self.printed[finding.kind] >= self.rate_limit:
             self.suppressed[finding.kind] += 1
             if self.suppressed[finding.kind] == 1:
@@ -54,9 +71,9 @@ class ConsoleReporter:
                     f"[dim]gradwatch: further '{finding.kind}' findings are recorded but not printed "
                     f"(rate_limit={self.rate_limit}); see the summary or gradwatch.jsonl.[/dim]"
                 )
-            return
+            return False
         self.printed[finding.kind] += 1
-        self.print(finding)
+        return True
 
     def close(self, summary: Any) -> None:
         if summary is not None:
