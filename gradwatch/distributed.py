@@ -43,7 +43,7 @@ import torch
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
-from gradwatch.stats import StepStats, layer_norms, total_norm
+from gradwatch.stats import StepStats, layer_key, layer_norms, total_norm
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
 
@@ -98,7 +98,10 @@ class RankAgreement:
         self.rank, self.world = 0, 1
         self._engine: Any = None
         self._slot = -1
-        self._sharded: list[int] = []  # indices into ctx.grads of this step's sharded gradients
+        # This step's sharded parameters, in the optimizer's order (the same list on every rank, whatever
+        # gradients this rank holds): (parameter, its index in ctx.params or -1 without a gradient here,
+        # its module).
+        self._sharded: list[tuple[torch.Tensor, int, str | None]] = []
         self._sharding_of: dict[int, float | None] = {}  # id(param) -> replication factor (None: unsupported)
         self._index_seen: Any = None
         self._any_sharded = False
@@ -115,6 +118,7 @@ class RankAgreement:
         self._solo = False  # some rank has no watcher: no collective of gradwatch's own
         self._replicas: bool | None = None  # the ranks' parameters agreed at the first check (None: not asked)
         self._fingerprinted = False
+        self._fsdp1: dict[int, float | None] = {}  # id(param) -> replication factor, for FSDP1's parameters
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -126,9 +130,12 @@ class RankAgreement:
         engine.finding_tags["rank"] = self.rank
         model = engine.model
         self._find_joinables(engine)
-        if engine.config.escalate and model is not None and any(_is_dtensor(p) for p in model.parameters()):
+        self._fsdp1 = _fsdp1_sharding(model)
+        sharded = bool(self._fsdp1) or (model is not None and any(_is_dtensor(p) for p in model.parameters()))
+        if engine.config.escalate and sharded:
             # Sharded modules all-gather their parameters inside forward: a localization replay that
-            # only the ranks with an incident run would leave the others waiting in a collective.
+            # only the ranks with an incident run would leave the others waiting in a collective (and
+            # FSDP1 frees the gathered storage between uses: reading it there reads freed memory).
             engine.config = engine.config.replace(escalate=False)
 
     # -- uneven inputs: is a Join context in charge? ------------------------------------------------
@@ -347,20 +354,25 @@ class RankAgreement:
             self._sharding_of = {}
             for op in index.per_optimizer:
                 for p in op.params:
+                    if id(p) in self._fsdp1:
+                        self._sharding_of[id(p)] = self._fsdp1[id(p)]
+                        continue
                     factor = _replication(p, self.world)
                     if factor != 1.0 or _is_dtensor(p):
                         self._sharding_of[id(p)] = factor
             self._any_sharded = bool(self._sharding_of)
         if not self._any_sharded:
             return []
+        where = {id(p): i for i, p in enumerate(ctx.params)}
         out = []
-        for i, p in enumerate(ctx.params):
+        op = index.per_optimizer[ctx.stats.optimizer_index]
+        for p, module in zip(op.params, op.modules):
             if id(p) not in self._sharding_of:
                 continue
             if self._sharding_of[id(p)] is None:
                 self._warn_sharding()
                 continue
-            out.append(i)
+            out.append((p, where.get(id(p), -1), module))
         return out
 
     def _local_squares(self, ctx: Any, device: torch.device) -> torch.Tensor:
@@ -375,9 +387,9 @@ class RankAgreement:
             parts.append(ctx.batch.part(slot).to(device))
             offset += len(idx)
         norms = torch.cat(parts + [torch.zeros(1, device=device)])  # the last entry: a gradient with no norm
-        take = torch.tensor([position.get(i, offset) for i in self._sharded], device=device)
+        take = torch.tensor([position.get(i, offset) for _p, i, _m in self._sharded], device=device)
         factors = torch.tensor(
-            [self._sharding_of[id(ctx.params[i])] or 1.0 for i in self._sharded], dtype=torch.float32, device=device
+            [self._sharding_of[id(p)] or 1.0 for p, _i, _m in self._sharded], dtype=torch.float32, device=device
         )
         return norms.index_select(0, take).square() / factors
 
@@ -411,11 +423,21 @@ class RankAgreement:
             self._engine.add_finding(other_rank_dropped_finding(stats, dropped))
         if self._sharded and len(stats.norms) == len(ctx.params):
             scale = float(stats.extra.get("grad_scale", 1.0) or 1.0)
-            for i, sq in zip(self._sharded, values[2 * self.world :]):
-                stats.norms[i] = math.sqrt(sq) / scale if sq >= 0 else sq
-            stats.total_norm = total_norm(stats.norms)
+            # Parameters whose shard on this rank is empty (FSDP1) have no gradient here but one elsewhere:
+            # they count in the total and in their layer's norm all the same.
+            elsewhere: dict[str, float] = {}
+            for (_p, i, module), sq in zip(self._sharded, values[2 * self.world :]):
+                norm = math.sqrt(sq) / scale if sq >= 0 else sq
+                if i >= 0:
+                    stats.norms[i] = norm
+                elif sq != 0:
+                    key = layer_key(module)
+                    elsewhere[key] = math.hypot(elsewhere.get(key, 0.0), norm)
+            stats.total_norm = total_norm(stats.norms + list(elsewhere.values()))
             if stats.layer_norms:
                 stats.layer_norms = layer_norms(stats.modules, stats.norms)
+                for key, norm in elsewhere.items():
+                    stats.layer_norms[key] = math.hypot(stats.layer_norms.get(key, 0.0), norm)
         if not ranks:
             return
         stats.extra["nonfinite_ranks"] = ranks
@@ -675,6 +697,31 @@ def _is_dtensor(t: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     cls = getattr(module, "DTensor", None) if module is not None else None
     return cls is not None and isinstance(t, cls)
+
+
+def _fsdp1_sharding(model: Any) -> dict[int, float | None]:
+    """FSDP1 (``FullyShardedDataParallel``): id of each parameter it shards -> how many ranks hold each
+    element (1.0 when fully sharded; None under hybrid sharding, whose norms stay this rank's). Its
+    parameters are plain tensors holding this rank's shard (``use_orig_params=True``: a view of it, empty
+    on ranks that hold none of the parameter). Empty when the model has no FSDP1 module."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    cls = getattr(module, "FullyShardedDataParallel", None) if module is not None else None
+    if cls is None or not isinstance(model, torch.nn.Module):
+        return {}
+    out: dict[int, float | None] = {}
+    for m in model.modules():  # outer modules first: an inner FSDP module's strategy wins for its parameters
+        if not isinstance(m, cls):
+            continue
+        name = getattr(getattr(m, "sharding_strategy", None), "name", "")
+        factor = None if "HYBRID" in name else 1.0
+        for p in m.parameters():
+            if name == "NO_SHARD":
+                out.pop(id(p), None)  # full replicas, as under DDP
+            else:
+                out[id(p)] = factor
+    return out
 
 
 def _replication(p: Any, world: int) -> float | None:

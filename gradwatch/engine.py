@@ -391,7 +391,7 @@ class Engine:
         else:
             for p, n, m, g in zip(op.params, op.names, op.modules, every_grad):
                 if g is None:
-                    if p.requires_grad:
+                    if p.requires_grad and p.numel():  # an empty local shard (FSDP1) has nothing to get
                         none.append(n)
                 else:
                     grads.append(g)

@@ -174,6 +174,8 @@ def summarize(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         parts = []
         device = tensors[0].device
         for t in tensors:
+            if not _has_data(t):
+                continue
             t = t.detach()
             a = t.abs().float().reshape(-1)
             signed = a if t.is_complex() else t.float().reshape(-1)
@@ -181,12 +183,24 @@ def summarize(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             smin, smax = torch.aminmax(signed)
             v = torch.stack([torch.isnan(a).any().float(), torch.isinf(a).any().float(), lo, hi, smin, smax])
             parts.append(v if v.device == device else v.to(device, non_blocking=True))
-        if len(parts) == 1:
-            return parts[0]
+        if len(parts) <= 1:
+            return parts[0] if parts else None
         s = torch.stack(parts)
         return torch.stack(
             [s[:, 0].amax(), s[:, 1].amax(), s[:, 2].amin(), s[:, 3].amax(), s[:, 4].amin(), s[:, 5].amax()]
         )
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds its elements. FSDP1 frees a sharded parameter's storage between uses
+    (``resize_(0)``) and keeps its sizes: reading such a tensor reads freed memory (a segmentation fault)."""
+    if t.numel() == 0 or t.is_meta:
+        return False
+    try:
+        extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        return t.untyped_storage().nbytes() >= extent * t.element_size()
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage (a tensor subclass): let it be read
+        return True
 
 
 class _OpRecorder(TorchFunctionMode):

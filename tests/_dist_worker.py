@@ -279,6 +279,39 @@ def fsdp(rank: int, nan: bool) -> dict[str, Any]:
     }
 
 
+def fsdp1(rank: int, nan: bool, orig: bool) -> dict[str, Any]:
+    """FSDP1 (FullyShardedDataParallel): plain tensors holding this rank's shard of a flat parameter, whose
+    storage FSDP frees between uses. A NaN in rank 1's batch crashed both processes (a localization replay
+    read freed storage, and ran the wrapper's all-gather on one rank); a healthy run warned that the ranks
+    trained different models; with use_orig_params=True a shard empty on this rank was reported as
+    ``none_grad`` and the ranks' agreement vectors differed in length (gloo aborted)."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(Net(), use_orig_params=orig, device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    totals: list[tuple[float, float]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradwatch.watch(model, opt, console=text_console()) as gw:
+            for step in range(STEPS):
+                loss = model(batch(step + rank * 50, rank, bad=nan and rank == 1 and step == NAN_STEP)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                reference = float(model.clip_grad_norm_(float("inf")))  # FSDP1's own total norm (a collective)
+                opt.step()
+                totals.append((reference, gw.engine.history.last[0].total_norm))
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "warnings": [str(w.message) for w in caught if "gradwatch" in str(w.message)],
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "skipped": gw.engine.steps_skipped,
+        "totals": totals,
+    }
+
+
 class LogNet(Net):
     """log of a probability that is 0 on rank 1's NAN_STEP (a NaN born in an op, not in the data)."""
 
@@ -336,6 +369,10 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_guarded_step": lambda r: ddp_nan(r, guard=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
+    "fsdp1": lambda r: fsdp1(r, nan=False, orig=False),
+    "fsdp1_orig": lambda r: fsdp1(r, nan=False, orig=True),
+    "fsdp1_nan": lambda r: fsdp1(r, nan=True, orig=False),
+    "fsdp1_orig_nan": lambda r: fsdp1(r, nan=True, orig=True),
 }
 
 UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {

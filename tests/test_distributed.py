@@ -265,6 +265,25 @@ def test_fsdp_nan_in_one_ranks_shard_is_skipped_on_both(runs: list[dict[str, Any
     assert "NaN, 0 Inf in this rank's shards" in f["message"]  # FSDP: the counts are local
 
 
+# -- FSDP1 (FullyShardedDataParallel): plain tensors holding this rank's shard ------------------------------
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp1_orig"])
+def test_fsdp1_healthy_run_is_silent_and_its_norms_are_global(runs: list[dict[str, Any]], name: str) -> None:
+    for r in scenario(runs, name):
+        assert r["findings"] == [] and r["warnings"] == [] and r["skipped"] == 0
+        for reference, reported in r["totals"]:
+            assert reported == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fsdp1_nan", "fsdp1_orig_nan"])
+def test_fsdp1_nan_on_one_rank_is_skipped_on_both_without_a_crash(runs: list[dict[str, Any]], name: str) -> None:
+    r0, r1 = scenario(runs, name)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["finite"] and r1["finite"]
+    # The reduce-scatter may carry rank 1's NaN into rank 0's shard too: then rank 0 reports its own.
+    assert {("nonfinite_on_other_rank", 3), ("nonfinite_grad", 3)} & set(kinds(r0))
+    assert ("nonfinite_grad", 3) in kinds(r1)
+
+
 # -- Lightning strategy="ddp" (two processes on CPU; Lightning starts the second one itself) ----------------
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "_lightning_ddp_worker.py")
 
