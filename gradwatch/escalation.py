@@ -77,7 +77,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 from gradwatch.findings import Finding, names_text
 from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
-from gradwatch.report import internal_warning
+from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 from gradwatch.tracing import _is_compiled
 
@@ -1012,7 +1012,7 @@ def _can_turn_nonfinite(node: Any) -> bool:
 # -- state that a replay must not change ------------------------------------------------------------
 @contextlib.contextmanager
 def _preserved(model: nn.Module) -> Iterator[None]:
-    """Restore module buffers (BatchNorm running statistics, counters) and the RNG state afterwards."""
+    """Restore module buffers (BatchNorm running statistics, counters) and the RNG states afterwards."""
     buffers = []
     for m in model.modules():
         for name, b in m._buffers.items():
@@ -1023,7 +1023,8 @@ def _preserved(model: nn.Module) -> Iterator[None]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda_rng = torch.cuda.get_rng_state_all()
     try:
-        yield
+        with host_rng_kept():  # a forward that draws from ``random`` (LayerDrop, augmentation) draws again
+            yield
     finally:
         with torch.no_grad():
             for m, name, b, saved in buffers:

@@ -11,6 +11,7 @@ import glob
 import io
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import warnings
@@ -548,3 +549,58 @@ def test_own_warning_from_another_thread_during_a_replay_is_not_lost(record) -> 
             opt.step()
     assert any(f.kind == "nan_origin" for f in gw.findings)  # the step was replayed
     assert "from the writer thread" in internal_warnings(record)
+
+
+# -- the user's own random streams ---------------------------------------------------------------------
+_RANDOM_STREAMS = r"""
+import random, sys
+import numpy as np
+import torch
+from torch import nn
+import gradwatch
+
+class LayerDrop(nn.Module):  # draws from Python's random in forward (a replay would draw again)
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(2, 2)
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h if random.random() < 0.9 else h * 0.5)
+
+def run(watched, nan_at):
+    random.seed(0); np.random.seed(0); torch.manual_seed(0)
+    model = LayerDrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt) if watched else None
+    for step in range(6):
+        x = torch.randn(8, 4) * random.uniform(0.5, 1.5) * float(np.random.uniform(0.5, 1.5))  # augmentation
+        if step == nan_at:
+            x[0, 0] = 1e30  # finite input, inf loss: the step is replayed to find where
+
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    kinds = sorted({f.kind for f in gw.findings}) if gw else []
+    if gw:
+        gw.close()
+    return random.random(), float(np.random.uniform()), kinds
+
+assert "rich.style" not in sys.modules
+for nan_at in (-1, 2):
+    plain, watched = run(False, nan_at), run(True, nan_at)
+    assert watched[:2] == plain[:2], (nan_at, plain, watched)
+    assert ("none_grad" in watched[2]) and ((nan_at < 0) or "nan_origin" in watched[2]), watched
+print("ok")
+"""
+
+
+def test_printing_and_replays_leave_the_users_random_streams_alone(tmp_path: Any) -> None:
+    # rich's first import (at the first printed finding) drew from Python's random: a seeded run that
+    # samples with random (replay buffers, augmentation) took other samples than the unwatched run from
+    # then on. A replay of a forward that draws from random drew again. A fresh process: rich unloaded.
+    script = tmp_path / "streams.py"
+    script.write_text(_RANDOM_STREAMS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

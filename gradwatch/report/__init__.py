@@ -7,11 +7,14 @@ reporter (a full disk, a closed stdout, a broken writer) is reported once as a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from gradwatch.findings import Finding
 
@@ -53,6 +56,29 @@ def internal_warning(where: str, exc: BaseException, *, owner: Any = None, key: 
         GradWatchInternalWarning,
         stacklevel=3,
     )
+
+
+@contextlib.contextmanager
+def host_rng_kept() -> Iterator[None]:
+    """Put Python's ``random`` (and NumPy's global generator, when NumPy is loaded) back as they were.
+
+    Around gradwatch's own work that may draw from them: importing ``rich.style`` (at the first printed
+    finding) draws from ``random``, and a replay of the model's forward draws what the forward draws. A
+    training loop that samples with ``random`` (replay buffers, augmentation) would otherwise take other
+    samples than the unwatched run from the first finding on."""
+    state = random.getstate()
+    np = sys.modules.get("numpy")
+    np_state = None
+    try:
+        np_state = np.random.get_state() if np is not None else None
+    except Exception:  # noqa: BLE001 - a NumPy without the legacy global generator
+        np_state = None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if np_state is not None:
+            np.random.set_state(np_state)
 
 
 _recreated: set[tuple[str, int]] = set()

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any, Iterator
 
 from gradwatch.findings import INCIDENT_KINDS, Finding, incident_panel
+from gradwatch.report import host_rng_kept
 
 
 class ConsoleReporter:
@@ -44,7 +45,7 @@ class ConsoleReporter:
     def print(self, *renderables: Any) -> None:
         if not self.rank_zero:
             return
-        with _tqdm_safe():
+        with host_rng_kept(), _tqdm_safe():  # rich's first import draws from ``random``
             self.console.print(*renderables)
 
     def finding(self, finding: Finding) -> None:
