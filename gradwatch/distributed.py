@@ -51,7 +51,18 @@ NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank"
 #: itself in the process group's key-value store). A rank without one (a watcher on rank 0 only) would
 #: leave gradwatch's all_reduce to pair with one of DDP's: the agreement is then turned off.
 PEER_WAIT = 10.0
-_LIVE_KEY = "gradwatch/live/{}"
+#: Store keys: a watcher's presence on a rank, how many ranks have it open, and the group's one verdict for
+#: it ("together", or "solo:<ranks without it>"; removed when the last rank closes it). A watcher is named
+#: by its model (class, parameter count) and how many watchers of that model are open in this process: the
+#: same name on every rank of an SPMD script, another one for a probe watched on rank 0 only.
+_LIVE_KEY = "gradwatch/live/{}/{}"
+_OPEN_KEY = "gradwatch/open/{}"
+#: Checks whose agreement collective carries a parameter fingerprint: the first (models built from other
+#: seeds differ there) and the second (models built from one seed and trained on their own data or with
+#: their own settings differ after one update; replicas never do).
+FINGERPRINTS = 2
+_VERDICT_KEY = "gradwatch/verdict/{}"
+_open_here: dict[str, list[str]] = {}
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -116,16 +127,18 @@ class RankAgreement:
         self._store: Any = None  # the process group's key-value store, where this watcher announced itself
         self._peers_checked = False
         self._solo = False  # some rank has no watcher: no collective of gradwatch's own
-        self._replicas: bool | None = None  # the ranks' parameters agreed at the first check (None: not asked)
+        self._replicas: bool | None = None  # the ranks' parameters agreed at the first checks (None: not asked)
         self._fingerprinted = False
+        self._fingerprints = 0  # checks that carried a fingerprint (FINGERPRINTS at most)
         self._fsdp1: dict[int, float | None] = {}  # id(param) -> replication factor, for FSDP1's parameters
+        self._key = ""  # this watcher's name in the store (see _announce)
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
         if dist is not None:
             self.rank = dist.get_rank(self.group) if self.group is not None else dist.get_rank()
             self.world = dist.get_world_size(self.group) if self.group is not None else dist.get_world_size()
-            self._announce(dist)
+            self._announce(dist, engine.model, list(engine.optimizers))
         self._engine = engine
         engine.finding_tags["rank"] = self.rank
         model = engine.model
@@ -192,13 +205,22 @@ class RankAgreement:
         return self._uneven
 
     # -- does every rank watch? ---------------------------------------------------------------------
-    def _announce(self, dist: Any) -> None:
-        """Count this watcher in the store (one key per global rank, +1 now, -1 at close)."""
+    def _announce(self, dist: Any, model: Any, optimizers: list[Any]) -> None:
+        """Announce this watcher in the store (its key, this global rank: +1 now, -1 at close)."""
+        if isinstance(model, torch.nn.Module):
+            name, count = type(model).__name__, sum(1 for _ in model.parameters())
+        else:
+            name, count = "optimizers", sum(len(g["params"]) for o in optimizers for g in o.param_groups)
+        base = f"{name}:{count}"
+        taken = _open_here.setdefault(base, [])
+        self._key = next(k for k in (f"{base}#{i}" for i in range(len(taken) + 1)) if k not in taken)
+        taken.append(self._key)
         try:
             from torch.distributed import distributed_c10d
 
             store = distributed_c10d._get_default_store()
-            store.add(_LIVE_KEY.format(dist.get_rank()), 1)
+            store.add(_LIVE_KEY.format(self._key, dist.get_rank()), 1)
+            store.add(_OPEN_KEY.format(self._key), 1)
             self._store = store
         except Exception:  # noqa: BLE001 - no store (a custom backend): keep the agreement on, as before
             self._store = None
@@ -210,7 +232,7 @@ class RankAgreement:
         deadline = time.monotonic() + PEER_WAIT
         missing = list(ranks)
         while True:
-            missing = [r for r in missing if store.add(_LIVE_KEY.format(r), 0) <= 0]
+            missing = [r for r in missing if store.add(_LIVE_KEY.format(self._key, r), 0) <= 0]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)
@@ -222,16 +244,32 @@ class RankAgreement:
         if self._store is None:
             return True
         try:
-            missing = self._missing_peers(dist)
+            # One verdict for the group, the first rank's to write it: a rank whose watcher starts after
+            # another rank gave up waiting for it takes that rank's "solo" too (deciding "together" alone,
+            # its all_reduce would pair with one of the user's).
+            store, key = self._store, _VERDICT_KEY.format(self._key)
+            if store.check([key]):
+                verdict = store.get(key).decode()
+            else:
+                missing = self._missing_peers(dist)
+                proposal = "solo:" + ",".join(map(str, missing)) if missing else "together"
+                verdict = store.compare_set(key, "", proposal).decode()
         except Exception:  # noqa: BLE001
             return True
-        if missing:
+        if verdict.startswith("solo"):
             self._solo = True
+            missing = [int(r) for r in verdict[5:].split(",") if r.strip().isdigit()]
+            if self.rank in missing:
+                what = (f"this rank's watcher of this model started more than {PEER_WAIT:g}s after the other "
+                        "ranks checked their first step")
+            else:
+                ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+                what = (f"{ranks} had no open gradwatch watcher of this model when the first step was checked "
+                        f"(none, one started more than {PEER_WAIT:g}s later, or one already closed)")
             warnings.warn(
-                f"gradwatch: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                f"{'have' if len(missing) > 1 else 'has'} no gradwatch watcher, so this rank decides alone "
-                "(as with rank_agreement=False): gradwatch's per-step all_reduce would otherwise pair with one "
-                "of DDP's on the other ranks. Watch on every rank (report on rank 0 only is automatic) to "
+                f"gradwatch: {what}, so each rank decides alone (as with rank_agreement=False): gradwatch's "
+                "per-step all_reduce would otherwise pair with one of DDP's or the user's on the other ranks. "
+                "Watch on every rank, at the same point of the script (report on rank 0 only is automatic), to "
                 "keep every rank's skip decision the same.",
                 stacklevel=2,
             )
@@ -241,10 +279,15 @@ class RankAgreement:
         self._remove_spotter()
         self._joinables = []
         store, self._store = self._store, None
+        taken = _open_here.get(self._key.rpartition("#")[0], [])
+        if self._key in taken:
+            taken.remove(self._key)
         dist = _dist()
         if store is not None and dist is not None:
             try:
-                store.add(_LIVE_KEY.format(dist.get_rank()), -1)
+                store.add(_LIVE_KEY.format(self._key, dist.get_rank()), -1)
+                if store.add(_OPEN_KEY.format(self._key), -1) <= 0:
+                    store.delete_key(_VERDICT_KEY.format(self._key))  # the next watcher of the name decides anew
             except Exception:  # noqa: BLE001 - the process group may be gone already
                 pass
 
@@ -283,11 +326,12 @@ class RankAgreement:
         # [world: this step's verdicts][world: a non-finite loss on an earlier batch no update used (one a
         # GradScaler dropped on every rank, or the training code skipped)][sharded squares]
         w = self.world
-        # Once, on the first check, when no parameter is sharded: are the ranks replicas? [f, f*f] of a
-        # fingerprint of this rank's parameters (their first elements, summed).
-        fingerprint = self._fingerprint(ctx, device) if self._replicas is None and not self._any_sharded else None
+        # On the first FINGERPRINTS checks, when no parameter is sharded: are the ranks replicas? [f, f*f] of
+        # a fingerprint of this rank's parameters (their first elements, summed).
+        ask = self._replicas is not False and self._fingerprints < FINGERPRINTS and not self._any_sharded
+        fingerprint = self._fingerprint(ctx, device) if ask else None
         if fingerprint is None and self._replicas is None:
-            self._replicas = True  # sharded parameters (FSDP), or no fingerprint: asked once only
+            self._replicas = True  # sharded parameters (FSDP), or no fingerprint: not asked again
         extra = 2 if fingerprint is not None else 0
         vec = torch.zeros(2 * w + len(self._sharded) + extra, dtype=torch.float32, device=device)
         if fingerprint is not None:
@@ -330,8 +374,8 @@ class RankAgreement:
         if not same:
             self._solo = True
             warnings.warn(
-                "gradwatch: the processes of this torch.distributed run hold different parameters at the first "
-                "checked step, so they train different models, not replicas: each rank decides alone from now "
+                "gradwatch: the processes of this torch.distributed run hold different parameters at a checked "
+                "step, so they train different models, not replicas: each rank decides alone from now "
                 "on (as with rank_agreement=False), and a NaN on one rank no longer skips the others' updates.",
                 stacklevel=2,
             )
@@ -412,6 +456,7 @@ class RankAgreement:
         stats: StepStats = ctx.stats
         if self._fingerprinted:
             self._fingerprinted = False
+            self._fingerprints += 1
             self._replicas = self._same_everywhere(values[-2], values[-1])
             values = values[:-2]
         ranks = [r for r in range(self.world) if values[r] > 0]

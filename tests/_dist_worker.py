@@ -200,6 +200,79 @@ def rank0_only(rank: int) -> dict[str, Any]:
     }
 
 
+def probe_on_rank0(rank: int) -> dict[str, Any]:
+    """DDP watched on every rank, plus a linear probe on detached features trained and watched on rank 0
+    only (online evaluation). The probe's agreement all_reduce had no partner on rank 1 (which has *a*
+    watcher): both ranks hung until the process-group timeout."""
+    import warnings
+
+    import gradwatch.distributed
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gradwatch.distributed.PEER_WAIT = 1.0
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = nn.Linear(8, 3)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gw = gradwatch.watch(model, opt, console=text_console())
+        pw = gradwatch.watch(probe, probe_opt, console=text_console()) if rank == 0 else None
+        for step in range(STEPS):
+            x = batch(step + rank * 50, rank, bad=False)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if pw is not None:
+                feats = model.module.encoder(x).detach()
+                probe_loss = probe(feats).pow(2).mean()
+                probe_opt.zero_grad()
+                probe_loss.backward()
+                probe_opt.step()
+        gw.close()
+        if pw is not None:
+            pw.close()
+    return {
+        "warnings": [str(w.message) for w in caught if "gradwatch" in str(w.message)],
+        "checked": gw.engine.steps_checked + (pw.engine.steps_checked if pw is not None else 0),
+        "params": flat_params(model.module),
+    }
+
+
+def late_watcher(rank: int) -> dict[str, Any]:
+    """Independent models (a k-fold job, no DDP); rank 1 prepares its fold longer than PEER_WAIT before
+    watch(). Rank 0 gave up waiting and decided alone; rank 1 then found rank 0's watcher and ran the
+    agreement all_reduce, which paired with the user's final all_reduce on rank 0: gloo aborted."""
+    import time
+    import warnings
+
+    import gradwatch.distributed
+
+    gradwatch.distributed.PEER_WAIT = 1.0
+    torch.manual_seed(rank)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 1:
+            time.sleep(2.5)
+        with gradwatch.watch(model, opt, console=text_console()) as gw:
+            for step in range(4):
+                loss = model(batch(step, rank, bad=False)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    metric = torch.tensor([float(rank + 1)])
+    dist.all_reduce(metric)
+    return {
+        "metric": metric.item(),
+        "checked": gw.engine.steps_checked,
+        "warnings": [str(w.message) for w in caught if "gradwatch" in str(w.message)],
+    }
+
+
 def join_uneven(rank: int, watched: str | None, nan: bool = False) -> dict[str, Any]:
     """DDP with uneven inputs under ``model.join()``: rank 0 has 5 batches, rank 1 has 2, then (without
     ``nan``) 3 more even steps after the join block, when the ranks' step counters differ. ``watched``:
@@ -336,12 +409,13 @@ def ddp_op_nan(rank: int) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
-def independent(rank: int) -> dict[str, Any]:
+def independent(rank: int, same_seed: bool = False) -> dict[str, Any]:
     """A k-fold style job: each rank trains its own model (other seeds, no DDP) for its own number of steps,
-    then the ranks exchange a metric. A NaN on rank 1 must skip rank 1's update only."""
-    torch.manual_seed(rank)
+    then the ranks exchange a metric. A NaN on rank 1 must skip rank 1's update only. ``same_seed``: a sweep
+    (one seed, a learning rate per rank), whose models differ from the first update on."""
+    torch.manual_seed(0 if same_seed else rank)
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1))
     with gradwatch.watch(model, opt, console=text_console()) as gw:
         for step in range(6 if rank == 0 else 4):
             loss = model(batch(step, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
@@ -356,6 +430,7 @@ def independent(rank: int) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
+    "independent_same_seed": lambda r: independent(r, same_seed=True),
     "ddp_op_nan": ddp_op_nan,
     "skip": lambda r: replicas(r, "skip"),
     "raise": lambda r: replicas(r, "raise"),
@@ -381,6 +456,8 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     "join_ddp": lambda r: join_uneven(r, "ddp"),
     "join_inner": lambda r: join_uneven(r, "inner"),
     "join_nan": lambda r: join_uneven(r, "ddp", nan=True),
+    "probe_on_rank0": probe_on_rank0,
+    "late_watcher": late_watcher,
 }
 
 

@@ -207,7 +207,8 @@ UNEVEN_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 @pytest.fixture(scope="module")
 def uneven_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist_uneven"))
-    codes, logs = launch(tmp, "join_unwatched,join_ddp,join_inner,join_nan,rank0_only", timeout=UNEVEN_TIMEOUT)
+    names = "join_unwatched,join_ddp,join_inner,join_nan,rank0_only,probe_on_rank0,late_watcher"
+    codes, logs = launch(tmp, names, timeout=UNEVEN_TIMEOUT)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {UNEVEN_TIMEOUT}s): {codes}\n" + "\n".join(
         logs
     )
@@ -232,8 +233,26 @@ def test_a_watcher_on_rank_zero_only_decides_alone_instead_of_pairing_with_ddps_
     r0, r1 = scenario(uneven_runs, "rank0_only")
     assert ("nonfinite_grad", 3) in kinds(r0)  # DDP averaged rank 1's NaN into rank 0's gradients: skipped
     assert all(math.isfinite(v) for v in r0["params"])
-    assert len(r0["warnings"]) == 1 and "rank 1 has no gradwatch watcher" in r0["warnings"][0]
+    assert len(r0["warnings"]) == 1 and "rank 1 had no open gradwatch watcher of this model" in r0["warnings"][0]
     assert r1["findings"] == [] and r1["warnings"] == []
+
+
+def test_a_probe_watched_on_rank_zero_only_decides_alone_without_a_hang(uneven_runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(uneven_runs, "probe_on_rank0")
+    assert r0["checked"] == 12 and r1["checked"] == 6  # six steps: the model and the probe on rank 0
+    assert r0["params"] == r1["params"]  # the DDP model's watchers still agree
+    assert len(r0["warnings"]) == 1 and "rank 1 had no open gradwatch watcher of this model" in r0["warnings"][0]
+    assert r1["warnings"] == []
+
+
+def test_a_watcher_started_late_takes_the_groups_verdict(uneven_runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(uneven_runs, "late_watcher")
+    assert r0["metric"] == r1["metric"] == 3.0  # the user's all_reduce paired with its own counterpart
+    assert r0["checked"] == r1["checked"] == 4
+    # Rank 0 gave up waiting (rank 1 decides as it did), or had finished and closed its watcher already.
+    assert "this rank's watcher of this model started more than" in r1["warnings"][0] or (
+        "rank 0 had no open gradwatch watcher of this model" in r1["warnings"][0]
+    )
 
 
 def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: list[dict[str, Any]]) -> None:
@@ -336,8 +355,12 @@ def test_rank_zero_reports_where_another_ranks_nan_was_born(runs: list[dict[str,
     assert told["message"].startswith("On rank 1")
 
 
-def test_ranks_training_different_models_decide_alone_and_never_pair_collectives(runs: list[dict[str, Any]]) -> None:
-    r0, r1 = scenario(runs, "independent")
+@pytest.mark.parametrize("name", ["independent", "independent_same_seed"])
+def test_ranks_training_different_models_decide_alone_and_never_pair_collectives(
+    runs: list[dict[str, Any]], name: str
+) -> None:
+    # Same seed: the models differ from the first update on, seen at the second check.
+    r0, r1 = scenario(runs, name)
     assert (r0["skipped"], r1["skipped"]) == (0, 1)  # rank 0's healthy updates went through
     assert r0["metric"] == r1["metric"] == 3.0  # the user's all_reduce paired with its own counterpart
     assert ("nonfinite_loss", 3) in kinds(r1) and kinds(r0) == []
