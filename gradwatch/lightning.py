@@ -241,7 +241,11 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         for i, opt in enumerate(optimizers):
             # SAM-style wrappers update through their base optimizer's step() (first_step/second_step):
             # the hooks go where the update is applied, as in a plain loop.
-            stepping = _stepping(opt)
+            try:
+                stepping = _stepping(opt)
+            except TypeError as exc:  # no step hooks: checked from Lightning's hooks only
+                warnings.warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=2)
+                continue
             if stepping is not opt:
                 self._optimizer_ids.setdefault(id(stepping), i)
             self._handles.append(stepping.register_step_pre_hook(functools.partial(self._before_step, i)))

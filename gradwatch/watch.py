@@ -346,19 +346,37 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose ``step()`` applies the update, where a wrapper's own ``step()`` may not run:
     SAM-style optimizers (``first_step``/``second_step`` around ``base_optimizer.step()``) and wrappers
-    that never ran ``Optimizer.__init__`` (no step hooks; some Lookahead ports). Others stay as given."""
+    that never ran ``Optimizer.__init__`` (no step hooks: some Lookahead ports, torch's own
+    ``PostLocalSGDOptimizer`` keeping its optimizer in ``.optim``). Others stay as given."""
     for _ in range(4):  # wrappers of wrappers, bounded
         base = getattr(opt, "base_optimizer", None)
         if isinstance(base, torch.optim.Optimizer) and base is not opt:
             opt = base
             continue
         if not hasattr(opt, "_optimizer_step_pre_hooks"):
-            inner = getattr(opt, "optimizer", None)
-            if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+            inner = next(
+                (
+                    v for v in (getattr(opt, a, None) for a in _INNER)
+                    if isinstance(v, torch.optim.Optimizer) and v is not opt
+                ),
+                None,
+            )
+            if inner is not None:
                 opt = inner
                 continue
         break
+    if not hasattr(opt, "_optimizer_step_pre_hooks"):
+        raise TypeError(
+            f"gradwatch cannot watch {type(opt).__name__}: it never ran torch.optim.Optimizer.__init__, so it has "
+            "no step hooks, and no optimizer it wraps was found (looked at "
+            f"{', '.join('.' + a for a in ('base_optimizer', *_INNER))}). Pass the torch optimizer that applies "
+            "the update: gradwatch.watch(model, wrapper.<inner optimizer>)."
+        )
     return opt
+
+
+#: Attributes where wrappers without ``Optimizer.__init__`` keep the optimizer they wrap.
+_INNER = ("optimizer", "optim", "_optimizer", "inner_optimizer", "opt")
 
 
 #: A new unwatched optimizer over the same parameters after at most this many steps of its predecessor, twice

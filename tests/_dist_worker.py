@@ -385,6 +385,32 @@ def fsdp1(rank: int, nan: bool, orig: bool) -> dict[str, Any]:
     }
 
 
+def post_local_sgd(rank: int) -> dict[str, Any]:
+    """torch's PostLocalSGDOptimizer (its docs example): a wrapper that never ran Optimizer.__init__ and keeps
+    the optimizer in ``.optim``; watch() raised AttributeError. A NaN in rank 1's batch at NAN_STEP, during
+    local SGD (no gradient all-reduce): both ranks must still skip it, so that the averaging stays finite."""
+    import torch.distributed.algorithms.model_averaging.averagers as averagers
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=2)
+    model.register_comm_hook(state, post_localSGD_hook)
+    local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = PostLocalSGDOptimizer(optim=local, averager=averagers.PeriodicModelAverager(period=2, warmup_steps=2))
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings], "params": flat_params(model.module),
+            "skipped": gw.engine.steps_skipped}
+
+
 class LogNet(Net):
     """log of a probability that is 0 on rank 1's NAN_STEP (a NaN born in an op, not in the data)."""
 
@@ -430,6 +456,7 @@ def independent(rank: int, same_seed: bool = False) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
+    "post_local_sgd": post_local_sgd,
     "independent_same_seed": lambda r: independent(r, same_seed=True),
     "ddp_op_nan": ddp_op_nan,
     "skip": lambda r: replicas(r, "skip"),

@@ -355,6 +355,13 @@ def test_rank_zero_reports_where_another_ranks_nan_was_born(runs: list[dict[str,
     assert told["message"].startswith("On rank 1")
 
 
+def test_post_local_sgd_optimizer_is_watched_through_the_optimizer_it_wraps(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "post_local_sgd")
+    assert r0["skipped"] == r1["skipped"] == 1  # rank 1's NaN during local SGD: skipped on both ranks
+    assert ("nonfinite_grad", 3) in kinds(r1)
+    assert all(math.isfinite(v) for v in r0["params"] + r1["params"])
+
+
 @pytest.mark.parametrize("name", ["independent", "independent_same_seed"])
 def test_ranks_training_different_models_decide_alone_and_never_pair_collectives(
     runs: list[dict[str, Any]], name: str

@@ -347,3 +347,14 @@ def test_a_fresh_parameter_added_to_the_optimizer_every_step_is_reported_once() 
             loss.backward()
             opt.step()
     assert [f.kind for f in gw.findings] == ["foreign_params"]
+
+
+def test_a_wrapper_without_step_hooks_or_an_inner_optimizer_is_refused_with_what_to_pass() -> None:
+    class Averaging(torch.optim.Optimizer):  # never runs Optimizer.__init__; keeps its optimizer elsewhere
+        def __init__(self, params: Any) -> None:
+            self.param_groups = [{"params": list(params)}]
+            self.state: dict[Any, Any] = {}
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"cannot watch Averaging: .*Pass the torch optimizer that applies"):
+        gradwatch.watch(model, Averaging(model.parameters()))
