@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import pickle
 import sys
+import types
 import warnings
 import weakref
 from typing import Any
@@ -146,6 +148,21 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._skip_pending: set[int] = set()  # checked "skip", update not yet suppressed
         self._fitted_with: Any = None  # weak reference to the Trainer of the latest fit
         self._automatic = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` sends to its processes: the settings, not this process's run (its
+        engine, hooks and Trainer). A console object that cannot be pickled (``rich.console.Console`` holds
+        a lock) becomes ``True``: each process prints through its own global console (rank zero only)."""
+        # Methods bound to a module (Lightning sets a callback's ``log`` during a fit) stay behind too.
+        state = {k: v for k, v in self.__dict__.items() if not isinstance(v, types.MethodType)}
+        state.update(engine=None, _escalation=None, _trainer=None, _fitted_with=None, _handles=[])
+        console = self.config.console
+        if not isinstance(console, bool):
+            try:
+                pickle.dumps(console)
+            except Exception:  # noqa: BLE001 - any reason it does not pickle
+                state["config"] = self.config.replace(console=True)
+        return state
 
     # -- public ------------------------------------------------------------------------------------
     @property

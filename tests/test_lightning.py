@@ -573,3 +573,21 @@ def test_sam_under_manual_optimization_is_watched_through_its_base_optimizer() -
     assert ("nonfinite_grad", 3) in {(f.kind, f.step) for f in cb.findings}, [(f.kind, f.step) for f in cb.findings]
     assert cb.engine.steps_skipped == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())  # SAM restores the weights, gradwatch skips
+
+
+def test_callback_with_a_console_object_pickles_for_ddp_spawn(lightning_pytorch: Any, tmp_path: Any) -> None:
+    # strategy="ddp_spawn" pickles the callbacks for its processes: a rich Console (it holds a lock) made
+    # fit() raise "cannot pickle '_thread.RLock' object" before training started.
+    import pickle
+
+    from rich.console import Console
+
+    cb = GradWatchCallback(console=Console(stderr=True), on_nonfinite="skip", log_dir=str(tmp_path))
+    trainer = tiny_trainer(lightning_pytorch, [cb], max_steps=3)
+    trainer.fit(tiny_module(lightning_pytorch, nan_at=1))
+    copy = pickle.loads(pickle.dumps(cb))
+    assert copy.config.console is True and copy.engine is None
+    assert copy.config.on_nonfinite == "skip" and copy.config.log_dir == str(tmp_path)
+    again = tiny_trainer(lightning_pytorch, [copy], max_steps=3)  # the copy watches a run of its own
+    again.fit(tiny_module(lightning_pytorch, nan_at=1))
+    assert [(f.kind, f.step) for f in copy.findings if f.kind == "nonfinite_grad"] == [("nonfinite_grad", 1)]
