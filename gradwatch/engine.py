@@ -557,9 +557,17 @@ class Engine:
                     message=(
                         f"{self.consecutive_skips} optimizer steps in a row were non-finite "
                         f"(max_skips={c.max_skips}); skipping further would only stall the run.\n"
-                        "Fix: the cause is persistent, not a rare bad batch: see the first nonfinite finding "
-                        "of this run for the op and module, lower the learning rate, or check the data. "
-                        "Raise max_skips (or set it to None) to keep skipping."
+                        + (
+                            "Fix: the cause is persistent: the gradients are finite but their norm overflows "
+                            "float32, so the weights or the loss have blown up (see the first exploding_grad "
+                            "and loss_diverging findings of this run): lower the learning rate (10x at a time), "
+                            "check weight_decay, add a warm-up, and clip gradients. "
+                            if stats.overflow_norm and not stats.nonfinite
+                            else "Fix: the cause is persistent, not a rare bad batch: see the first nonfinite "
+                            "finding of this run for the op and module, lower the learning rate, or check the "
+                            "data. "
+                        )
+                        + "Raise max_skips (or set it to None) to keep skipping."
                     ),
                     data={"consecutive_skips": self.consecutive_skips},
                 )

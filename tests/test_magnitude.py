@@ -737,3 +737,33 @@ def test_dead_relu_layer_is_reported_with_zero_grad_keeping_zeros_too() -> None:
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     assert [(f.step, f.data["layers"]) for f in gw.findings if f.kind == "dead_layer"] == [(9, ["0", "2"])]
+
+
+def test_a_learning_rate_far_too_high_reports_the_skipped_overflow_and_its_cause() -> None:
+    # lr=15.85 with momentum (an lr_find suggestion taken as is): the loss climbs to ~1e30 with finite
+    # gradients whose norm overflows float32. The updates were skipped from step 10 on with no finding
+    # saying so (the ratio warning at step 5 counted as the same episode), and too_many_skips sent the
+    # user to "the first nonfinite finding", which did not exist.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=15.85, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = (x[:, :1] > 0).float()
+    with pytest.raises(gradwatch.GradWatchError):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for i in range(64):
+                xb, yb = x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+                loss = nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+                gw.observe_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    skipped_from = next(f.step for f in gw.findings if f.kind == "exploding_grad" and f.severity == "error")
+    first = next(f for f in gw.findings if f.kind == "exploding_grad" and f.step == skipped_from)
+    assert "overflow" in first.data["reasons"] and "gradwatch skipped this update" in first.message
+    assert gw.engine.steps_skipped >= 10 and all(p.isfinite().all() for p in model.parameters())
+    (stop,) = [f for f in gw.findings if f.kind == "too_many_skips"]
+    assert "their norm overflows float32" in stop.message and "nonfinite finding" not in stop.message
+    diverging = [f for f in gw.findings if f.kind == "loss_diverging" and f.step >= skipped_from]
+    assert all("nothing else stops the run" not in f.message for f in diverging)

@@ -14,6 +14,8 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
   around a minimum are not explosions.
 
 A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
+An overflowing norm (the update is skipped) is reported even when the episode's growth was reported
+before it overflowed.
 """
 
 from __future__ import annotations
@@ -166,7 +168,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if not reasons:
         return []
     recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
-    if any(_reasons(f, config) for f in recent):
+    if reasons == ["overflow"]:
+        # An update skipped for it: reported unless the episode's overflow was (a warning about the same
+        # episode's growth before it overflowed does not say that updates are now skipped).
+        if any(f["overflow"] for f in recent):
+            return []
+    elif any(_reasons(f, config) for f in recent):
         return []  # the same episode: reported already
     if reasons == ["spike"]:
         # Spikes of the same size recurring (a DQN's target-network sync, each curriculum stage): reported

@@ -74,6 +74,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     start, level, n = facts
     lrs = _learning_rates(stats.extra.get("optimizer"))
     lr_text = f" (learning rate now {lrs})" if lrs else ""
+    why = (
+        "the gradient norm already overflows float32, so gradwatch skips these updates and the run has "
+        "stalled; lowering the learning rate is the way out"
+        if stats.overflow_norm and config.on_nonfinite == "skip"
+        else "the gradients are finite, so nothing else stops the run, but it is moving away from a solution; "
+        "the longer it runs, the less of the start is left to recover"
+    )
     return [
         Finding(
             kind=_KEY,
@@ -83,8 +90,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 f"The loss is diverging: its median over the last {n} checked steps is {level:.4g}, "
                 f"{level / start:.3g}x the {start:.4g} it started at (lowest of the first {START} checked steps), "
                 f"and none of those steps came back below {FLOOR:g}x the start{lr_text}.\n"
-                "Why it matters: the gradients are finite, so nothing else stops the run, but it is moving away "
-                "from a solution; the longer it runs, the less of the start is left to recover.\n"
+                f"Why it matters: {why}.\n"
                 "Fix: lower the learning rate (10x at a time; check for a typo such as lr=1 instead of 1e-3), "
                 "add a warm-up for Adam on Transformers, clip gradients "
                 "(torch.nn.utils.clip_grad_norm_), and check that the loss is minimized (not maximized) "
