@@ -67,6 +67,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -80,6 +81,9 @@ from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
 from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 from gradwatch.tracing import _is_compiled
+
+#: Top-level packages whose frames are not the training loop (the loop's frame is the first outside them).
+_FRAMEWORK = frozenset({"gradwatch", "torch", "functools", "contextlib", "typing", "accelerate"})
 
 #: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
 MAX_CALLS = 64
@@ -525,6 +529,14 @@ class Escalation:
                 result.loss_nonfinite = any(
                     not bool(torch.isfinite(l).all()) for l in losses if l.is_floating_point()
                 )
+            if self.integration == "plain" and result is not None and result.loc.origin is None and (
+                result.upstream_bad and result.loc.forward_finite
+            ):
+                # Born after the model, in the loss code: does a tensor the loop holds for this batch (the
+                # target, a per-sample weight or mask) carry it? Lightning checks its whole batch instead.
+                loop_bad = self._loop_tensors()
+                if loop_bad:
+                    out.append(_loop_input_finding(stats.step, loop_bad))
             named = result is not None and result.loc.origin is not None
             # Buffers are checked only when the replay named no op: this step's own forward may have written
             # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
@@ -615,6 +627,62 @@ class Escalation:
         return [
             (n, int(c[0]), int(c[1]))
             for (n, _t), c in zip(named, rows)
+            if (c[0] or c[1]) and not (c[0] == 0 and c[2] == 0 and c[3] == 0)
+        ]
+
+    def _loop_tensors(self) -> list[tuple[str, int, int]]:
+        """Tensors of this batch held by the training loop (the first frame outside gradwatch and torch:
+        ``y`` in ``loss = loss_fn(model(x), y)``) that hold NaN/Inf: a target, a per-sample weight or mask
+        the loss reads. Only those whose first dimension is the batch's (the dataset or a class-weight
+        vector is not blamed), not requiring grad, not the model's own tensors. Incident path only."""
+        sizes = {
+            a.shape[0]
+            for c in self._calls
+            for a in tree_leaves((c.args, c.kwargs))
+            if isinstance(a, torch.Tensor) and a.dim() > 0
+        }
+        frame = sys._getframe(1)
+        for _ in range(64):
+            if frame is None:
+                return []
+            module = str(frame.f_globals.get("__name__", ""))
+            if module.split(".")[0] not in _FRAMEWORK:
+                break
+            frame = frame.f_back
+        else:
+            return []
+        if frame is None or not sizes:
+            return []
+        own: set[int] = set()
+        if self.model is not None:
+            own = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
+        seen_inputs = {id(a) for c in self._calls for a in tree_leaves((c.args, c.kwargs))}
+        named: list[tuple[str, torch.Tensor]] = []
+        for name, value in list(frame.f_locals.items()):
+            if name.startswith("__"):
+                continue
+            if isinstance(value, (list, tuple, dict)) and len(value) > 16:
+                continue
+            if not isinstance(value, (torch.Tensor, list, tuple, dict)):
+                continue
+            for n, t in _named_tensors(name, value):
+                if (
+                    id(t) in own or id(t) in seen_inputs or t.requires_grad or t.dim() == 0
+                    or t.shape[0] not in sizes or not (t.is_floating_point() or t.is_complex())
+                ):
+                    continue
+                named.append((n, t))
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
+        for n, t in named:
+            unique.setdefault(id(t), (n, t))
+        if not unique:
+            return []
+        with torch.no_grad():
+            rows = torch.stack([_input_counts(t.detach()) for _n, t in unique.values()]).tolist()
+        where = f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{frame.f_lineno}"
+        return [
+            (f"{n} (in {where})", int(c[0]), int(c[1]))
+            for (n, _t), c in zip(unique.values(), rows)
             if (c[0] or c[1]) and not (c[0] == 0 and c[2] == 0 and c[3] == 0)
         ]
 
@@ -1260,6 +1328,29 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str
             "poisoned_buffers": list(buffers or []),
             "inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
             "table": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
+        },
+    )
+
+
+def _loop_input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
+    parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in bad]
+    return Finding(
+        kind="nonfinite_input",
+        step=step,
+        severity="error",
+        message=(
+            f"The batch of step {step} holds non-finite values outside the model's inputs: {', '.join(parts[:6])}"
+            f"{' and more' if len(parts) > 6 else ''}. The model's forward pass was finite; the loss read this "
+            "tensor (a target, a per-sample weight or a mask), so the data, not the model, is the cause.\n"
+            "Fix: find where the targets are built (missing values in the dataset, a label normalized by a "
+            "zero std, a broken transform); filter or impute bad samples (e.g. mask = torch.isfinite(y); "
+            "loss = loss_fn(out[mask], y[mask])), and assert torch.isfinite(y).all() in the data pipeline "
+            "while debugging."
+        ),
+        data={
+            "inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
+            "table": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
+            "source": "loop",
         },
     )
 

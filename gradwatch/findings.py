@@ -145,10 +145,10 @@ def _panel(f: Finding, others: list[Finding]) -> Any:
         renderables += [Text(f"- {o.kind}: {o.headline}") for o in others]
     severity = max([f, *others], key=lambda x: SEVERITIES.index(x.severity)).severity
     style = _SEVERITY_STYLE.get(severity, "white")
-    also = f" (+ {', '.join(o.kind for o in others)})" if others else ""
+    also = f" (+{len(others)} related)" if others else ""
     return Panel(
         renderables[0] if len(renderables) == 1 else Group(*renderables),
-        title=Text(f"gradwatch {severity}: {f.kind}{also} at step {f.step}", style=style),
+        title=Text(f"gradwatch {severity}: {f.kind} at step {f.step}{also}", style=style),
         title_align="left",
         border_style=style,
         expand=False,

@@ -46,6 +46,7 @@ class Watcher:
 
     def __init__(
         self,
+        /,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
         *,

@@ -30,11 +30,15 @@ def text_console() -> Any:
 
 
 def panels(text: str) -> list[tuple[list[str], int]]:
-    """The console's finding panels: (kinds in the title, step) each; an incident's panel lists its kinds."""
+    """The console's finding panels: (kinds, step) each; an incident's panel lists its head kind, then the
+    related kinds of its "Also at step N:" lines."""
     out = []
-    for title, step in re.findall(r"gradwatch (?:info|warning|error): ([^\n]*?) at step (\d+)", text):
-        head, _, rest = title.partition(" (+ ")
-        out.append(([head, *[k for k in rest.rstrip(")").split(", ") if k]], int(step)))
+    for chunk in re.split(r"[╭┏]", text)[1:]:
+        title = re.match(r"─ gradwatch (?:info|warning|error): (\w+) at step (\d+)", chunk)
+        if title is None:
+            continue
+        related = re.findall(r"^│ - (\w+): ", chunk, flags=re.M)
+        out.append(([title.group(1), *related], int(title.group(2))))
     return out
 
 

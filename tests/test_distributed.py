@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import panels
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -342,7 +343,7 @@ def test_lightning_ddp_findings_carry_ranks_and_only_rank_zero_prints(lightning_
     (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_grad"]
     assert f["step"] == 3 and f["data"]["rank"] == 0 and f["data"]["ranks"] == [0, 1]
     assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
-    assert "nan_origin (+ nonfinite_grad, nonfinite_on_other_rank) at step 3" in r0["console"]
+    assert (["nan_origin", "nonfinite_grad", "nonfinite_on_other_rank"], 3) in panels(r0["console"])
     assert r1["console"] == ""
 
 

@@ -1587,3 +1587,50 @@ def test_ddp_unused_parameter_is_named_before_the_reduction_error(tmp_path: Any)
         unused = [f for f in result["findings"] if f["kind"] == "none_grad"]
         assert unused and unused[0]["step"] == 0, result["findings"]
         assert {p.split("module.")[-1] for p in unused[0]["params"]} == {"aux_head.weight", "aux_head.bias"}
+
+
+def test_nan_target_in_a_plain_loop_is_blamed_on_the_data() -> None:
+    # A regression target with a missing value (a NaN read from a CSV) in one batch; the inputs are clean.
+    # The plain loop checked only the model's arguments: the report said "born in the loss computation"
+    # with a NaN target as the last of five guesses. Lightning checks the whole batch; the loop's frame
+    # holds the target here.
+    torch.manual_seed(0)
+    X = torch.randn(64, 5)
+    Y = X.sum(1, keepdim=True)
+    Y[37] = float("nan")  # batch 4
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert f.step == 4 and f.data["source"] == "loop"
+    assert [(i["input"].split(" ")[0], i["nan"]) for i in f.data["inputs"]] == [("y", 1)]
+    assert "test_scenarios.py" in f.data["inputs"][0]["input"]  # where the loop holds it
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_a_nan_born_in_the_loss_is_not_blamed_on_a_dataset_tensor_the_loop_holds() -> None:
+    # Must not flag: the loop also holds the whole dataset, which has a NaN in a row no batch uses here;
+    # the NaN of this step is log(0) in the loss. Only tensors with the batch's first dimension count.
+    torch.manual_seed(0)
+    data = torch.randn(64, 5)
+    data[60, 0] = float("nan")
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            x = data[8 * step : 8 * step + 8]
+            p = torch.sigmoid(model(x)) * (0.0 if step == 2 else 1.0)
+            loss = -torch.log(p).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert any(f.kind == "nan_origin" and f.step == 2 for f in gw.findings)
+    assert not any(f.kind == "nonfinite_input" for f in gw.findings)
