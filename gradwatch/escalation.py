@@ -529,6 +529,8 @@ class Escalation:
                 result.loss_nonfinite = any(
                     not bool(torch.isfinite(l).all()) for l in losses if l.is_floating_point()
                 )
+                state = getattr(self._culprit, "autocast", None) or ()
+                result.half = any(dtype == torch.float16 for _device, dtype in state)
             if self.integration == "plain" and result is not None and result.loc.origin is None and (
                 result.upstream_bad and result.loc.forward_finite
             ):
@@ -1036,6 +1038,8 @@ class _Result:
         self.loss_ops: list[str] = []
         #: The replayed call's observed loss was already non-finite (the loss code's forward made it first).
         self.loss_nonfinite = False
+        #: The replayed call ran under autocast in float16.
+        self.half = False
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -1063,8 +1067,11 @@ def _nonfinite_flags(flags: Sequence[torch.Tensor | None]) -> list[bool]:
 
 def _can_turn_nonfinite(node: Any) -> bool:
     """Whether a backward node's op can make NaN/Inf from finite inputs (the ops ``fix_for`` knows, softmax
-    aside: it needs an Inf input)."""
-    base = re.sub(r"Backward\d*$", "", node.name().rsplit("::", 1)[-1])
+    aside: it needs an Inf input; custom autograd Functions, whose backward is the user's)."""
+    name = node.name()
+    if re.fullmatch(r"[A-Za-z_]\w*Backward", name):
+        return True  # a custom autograd.Function (no digit suffix): its backward may divide by anything
+    base = re.sub(r"Backward\d*$", "", name.rsplit("::", 1)[-1])
     if not any(base in names for names, _fix in _FIXES if "Softmax" not in names):
         return False
     if base == "Pow":
@@ -1470,6 +1477,36 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "loss and gradient.",
     ),
     (
+        ("LinalgEigh", "LinalgEig", "LinalgSvd", "Svd", "Symeig", "Eig", "LinalgEigvals", "LinalgLstsq"),
+        "eigenvector and singular-vector gradients divide by the gaps between eigenvalues (lambda_i - lambda_j): "
+        "repeated or near-equal eigenvalues (duplicate samples, a rank-deficient or symmetric input) make "
+        "them Inf/NaN. Use torch.linalg.eigvalsh / svdvals when only the values are needed, add a small "
+        "jitter to the diagonal (A + 1e-5 * torch.eye(n)), compute in float64, or avoid duplicate samples.",
+    ),
+    (
+        ("LinalgCholesky", "Cholesky", "LinalgCholeskyEx", "CholeskySolve", "LinalgInv", "LinalgInvEx",
+         "LinalgSolve", "LinalgDet", "Logdet", "LinalgSlogdet"),
+        "the matrix is singular or nearly so (not positive definite for Cholesky): its inverse, and the "
+        "gradient through it, blows up. Add a jitter to the diagonal (A + 1e-5 * torch.eye(n)), compute in "
+        "float64, or check what makes it rank-deficient (duplicate samples, a batch smaller than the dimension).",
+    ),
+    (
+        ("Cdist", "Pdist", "Dist"),
+        "the gradient of a Euclidean distance or norm divides by its value: at zero distance (identical "
+        "points, a zero vector) it is NaN. Add an epsilon inside the square root "
+        "(((a - b) ** 2).sum(-1) + 1e-8).sqrt().",
+    ),
+    (
+        ("BinaryCrossEntropy",),
+        "binary_cross_entropy on probabilities of exactly 0 or 1 (a saturated sigmoid) takes log(0): use "
+        "F.binary_cross_entropy_with_logits on the logits (or nn.BCEWithLogitsLoss), which stays finite.",
+    ),
+    (
+        ("Softplus",),
+        "softplus of a very large input overflows when its threshold is raised: keep the default threshold "
+        "(20), or clamp the input.",
+    ),
+    (
         ("Tan", "Atan2"),
         "the op is singular here: keep its input away from the singular points (clamp, add an epsilon).",
     ),
@@ -1517,6 +1554,8 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v) or math.isinf(v):
             return str(v)
+        if v not in (1.0, -1.0) and abs(abs(v) - 1.0) < 5e-3:
+            return f"{v:.9g}"  # acos/asin at 1.0000001: "1" would hide that the input left the domain
         return f"{v:.3g}"
     return str(v)
 
@@ -1721,6 +1760,14 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "but the gradient of the masked positions is 0 times the op's NaN/infinite derivative: NaN. Apply "
             "the op to a safe input instead: x_safe = torch.where(mask, x, 1.0), then "
             "torch.where(mask, x_safe.sqrt(), 0)."
+        )
+    if result.half and origin.outgoing.get("inf") and not origin.outgoing.get("nan"):
+        fix = (
+            "this op ran under autocast in float16, whose largest finite value is 65504: the Inf is an "
+            "overflow of half precision, not of the values themselves (clipping gradients cannot help). Keep "
+            "this op in float32 (wrap it in torch.autocast(device_type, enabled=False) and call .float() on "
+            "its inputs), scale its input down (normalize the batch), or use bfloat16 (float32's range). "
+            "Otherwise: " + fix
         )
     if origin.explicit_operand:
         fix = (

@@ -977,3 +977,108 @@ def test_incident_on_a_deep_model_fits_one_screen(text_console: Any) -> None:
     assert len(incident.splitlines()) <= 36, incident
     assert incident.index("LogBackward0") < incident.index("- nonfinite_grad: ")
     assert "... 3 more" in incident  # 13 layer rows, 10 shown
+
+
+class _SpectralNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.enc(x)
+        affinity = torch.exp(-((z[:, None] - z[None]) ** 2).sum(-1))
+        laplacian = torch.diag(affinity.sum(1)) - affinity
+        return torch.linalg.eigh(laplacian)[1][:, 1:3]  # a spectral embedding
+
+
+def test_eigh_with_repeated_eigenvalues_gets_the_eigengap_fix() -> None:
+    # A batch of duplicate samples gives a Laplacian with repeated eigenvalues: eigh's backward divides by
+    # their gaps (pytorch/pytorch#47599). The fix said "lower the learning rate, clip gradients".
+    torch.manual_seed(0)
+    model = _SpectralNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(5):
+            x = torch.randn(1, 6).expand(10, 6).clone() if step == 3 else torch.randn(10, 6)
+            loss = (model(x).abs().sum(1) - 1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.op) == (3, "LinalgEighBackward0")
+    assert "eigvalsh" in origin.message and "jitter" in origin.message
+
+
+def test_half_precision_overflow_says_so_in_its_fix() -> None:
+    # An unnormalized batch under float16 autocast overflows a Linear (65504 is float16's largest value);
+    # the fix suggested clipping gradients, which cannot help with an Inf.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            x = torch.rand(8, 64) * (255 * 40 if step == 2 else 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = (out.float() - 1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert origin.step == 2 and "float16, whose largest finite value is 65504" in origin.message
+
+
+class _SafeLog(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.log(x.clamp_min(1e-12))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g / x  # not clamped like the forward: Inf at 0
+
+
+def test_a_custom_function_in_the_loss_code_is_a_suspect_at_the_first_incident() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(5):
+            x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+            probs = torch.relu(torch.tanh(model(x))) * (0.0 if step == 3 else 1.0)
+            loss = -_SafeLog.apply(probs.gather(1, y[:, None]).squeeze(1) + 0.0).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert origin.step == 3 and "_SafeLogBackward" in origin.message and "gradcheck" in origin.message
+
+
+class _Angle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos = torch.tanh(self.proj(x)) * 1.0000002  # a cosine a rounding error pushed past 1
+        return torch.acos(cos)
+
+
+def test_an_acos_input_just_past_one_is_shown_with_the_digits_that_matter() -> None:
+    # The range read "|x| from 1 to 1", hiding that the input had left acos's domain (1.0000002).
+    torch.manual_seed(0)
+    model = _Angle()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(3):
+            x = torch.randn(4, 4) * (100.0 if step == 1 else 0.1)  # saturated tanh at step 1
+            loss = model(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert origin.step == 1 and origin.op == "AcosBackward0"
+    assert "1.00000024" in origin.message
