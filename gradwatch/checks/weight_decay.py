@@ -1,0 +1,56 @@
+"""``weight_decay_too_large``: a parameter group whose ``lr * weight_decay`` is 1 or more.
+
+Weight decay multiplies the weights by ``1 - lr * weight_decay`` each step (SGD, AdamW; coupled into the
+gradient for Adam): at 1 or more they flip sign and grow every step, so the run blows up within a few
+steps. It is almost always a typo (``weight_decay=5e2`` for ``5e-4``). Checked on every step until
+reported once per optimizer (a scheduler may raise the learning rate later): a loop over the groups.
+"""
+
+from __future__ import annotations
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+_KEY = "weight_decay_too_large/{}"
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    key = _KEY.format(stats.optimizer_index)
+    if history.reported.get(key):
+        return []
+    optimizer = stats.extra.get("optimizer")
+    groups = getattr(optimizer, "param_groups", None) or ()
+    for i, group in enumerate(groups):
+        try:
+            lr, wd = float(group.get("lr", 0.0)), float(group.get("weight_decay", 0.0))
+        except (TypeError, ValueError):  # a tensor learning rate of several elements, a custom group
+            continue
+        if wd > 0 and lr > 0 and lr * wd >= 1.0:
+            stats.extra[key] = True
+            factor = 1.0 - lr * wd
+            return [
+                Finding(
+                    kind="weight_decay_too_large",
+                    step=stats.step,
+                    severity="warning",
+                    message=(
+                        f"Parameter group {i} of optimizer {stats.optimizer_index} ({type(optimizer).__name__}) has "
+                        f"lr={lr:g} and weight_decay={wd:g}: lr * weight_decay = {lr * wd:.3g}, so each step "
+                        f"multiplies its weights by about {factor:.3g}.\n"
+                        "Why it matters: with a factor at or below 0 the weights flip sign and grow every step; "
+                        "the loss explodes within a few steps and no clipping stops it.\n"
+                        f"Fix: weight_decay is usually 1e-4 to 0.1 (is {wd:g} a typo, such as 5e2 for 5e-4?); "
+                        "keep lr * weight_decay far below 1."
+                    ),
+                    data={"optimizer": stats.optimizer_index, "group": i, "lr": lr, "weight_decay": wd},
+                )
+            ]
+    return []
+
+
+def remember(stats: StepStats, history: History) -> None:
+    key = _KEY.format(stats.optimizer_index)
+    if stats.extra.get(key):
+        history.reported[key] = True
