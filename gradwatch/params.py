@@ -60,6 +60,18 @@ def user_path(qualified: str, module_wrappers: frozenset[str] = frozenset()) -> 
     return ".".join(out)
 
 
+def _owner(module: str) -> str:
+    """The layer a parameter belongs to: a parametrized weight (``spectral_norm``, ``weight_norm``,
+    ``orthogonal`` of ``torch.nn.utils.parametrizations``) lives in ``<layer>.parametrizations.weight``,
+    but it is ``<layer>``'s weight (its bias is there too: a layer, not two)."""
+    if module == "parametrizations" or module.startswith("parametrizations."):
+        return ""
+    head, sep, _rest = module.partition(".parametrizations.")
+    if sep:
+        return head
+    return module[: -len(".parametrizations")] if module.endswith(".parametrizations") else module
+
+
 def _module_wrappers(model: nn.Module) -> frozenset[str]:
     return frozenset(
         name
@@ -95,7 +107,7 @@ class ParamIndex:
                         continue
                     qual = f"{mname}.{pname}" if mname else pname
                     self.param_name[id(p)] = qual
-                    self.param_module[id(p)] = mname
+                    self.param_module[id(p)] = _owner(mname)
                     self.model_params.append((qual, p))
         self.per_optimizer = [self._optimizer_params(i, o) for i, o in enumerate(self.optimizers)]
         if not self.optimizers:

@@ -1634,3 +1634,35 @@ def test_a_nan_born_in_the_loss_is_not_blamed_on_a_dataset_tensor_the_loop_holds
             opt.step()
     assert any(f.kind == "nan_origin" and f.step == 2 for f in gw.findings)
     assert not any(f.kind == "nonfinite_input" for f in gw.findings)
+
+
+def test_spectral_norm_critic_with_a_wasserstein_loss_is_not_a_dead_layer() -> None:
+    # Must not flag: SN-WGAN critics built with torch.nn.utils.parametrizations.spectral_norm (the current
+    # API). D(fake).mean() - D(real).mean() gives the last bias an exactly zero gradient by construction;
+    # the parametrization moved the weight under "4.parametrizations.weight", so the bias was judged as a
+    # layer of its own and reported dead. With the old hook-based spectral_norm the run was silent.
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    D = nn.Sequential(
+        spectral_norm(nn.Linear(2, 32)), nn.LeakyReLU(0.1), spectral_norm(nn.Linear(32, 32)), nn.LeakyReLU(0.1),
+        spectral_norm(nn.Linear(32, 1)),
+    )
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(D.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    with gradwatch.watch(D, opt_d, console=False) as gw:
+        for it in range(60):
+            real = torch.randn(32, 2) * 0.2 + 1.0
+            d_loss = D(G(torch.randn(32, 8)).detach()).mean() - D(real).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            if it % 5 == 4:
+                g_loss = -D(G(torch.randn(32, 8))).mean()
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+    assert [f for f in gw.findings if f.severity != "info"] == []
+    layers = gw.engine.history.last[0].layer_norms
+    assert "4" in layers and not any("parametrizations" in k for k in layers)
