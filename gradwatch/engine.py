@@ -130,6 +130,7 @@ class Engine:
         # Unregistered trainable tensors found at a check: (name, tensor, how, its grad, grad version).
         self._unregistered_seen: list[tuple[str, torch.Tensor, str, torch.Tensor, int]] = []
         self._forward_scans = 0  # the first two checked steps look for layers built inside forward()
+        self._reached: dict[int, bool] = {}  # id(param) -> the graph of the step it lacked a gradient reached it
         self._forward_params: list[tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = []
         self._first_check = [True] * max(1, len(self.optimizers))
         self._group_signature = [self._signature(o) for o in self.optimizers]
@@ -281,6 +282,23 @@ class Engine:
         fresh = [p for p in found if tuple(p.shape) in shapes and all(ref() is not p for ref, _s in before)]
         return [(f"<parameter {tuple(p.shape)} created in forward>", "forward") for p in fresh]
 
+    def _grads_dropped(self, op: Any, none: list[str]) -> frozenset[str]:
+        """Of ``none`` (trainable, no gradient at the step), those the step's graph reached: backward gave them
+        a gradient that the training code then set to None on purpose (DINO's cancel_gradients_last_layer
+        in its first epoch). A walk of the step's graph for parameters not asked about before; cached."""
+        known = self._reached
+        by_name = dict(zip(op.names, op.params))
+        ask = [by_name[n] for n in none if n in by_name and id(by_name[n]) not in known]
+        if ask:
+            esc = next((e for e in self.extensions if hasattr(e, "graph_leaves")), None)
+            leaves = esc.graph_leaves() if esc is not None else None
+            if leaves is None:
+                return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
+            reached = {id(v) for v in leaves}
+            for p in ask:
+                known[id(p)] = id(p) in reached
+        return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
+
     def _refresh_index(self) -> bool:
         changed = self._params_dirty or self.index.unheld_trainable_changed()
         for i, o in enumerate(self.optimizers):
@@ -418,6 +436,9 @@ class Engine:
         stats.extra["optimizer"] = op.optimizer
         if none:
             stats.extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads
+            dropped = self._grads_dropped(op, none)
+            if dropped:
+                stats.extra["grad_dropped"] = dropped
         if len(self.optimizers) > 1:
             stats.extra["several_optimizers"] = True
         if self.cleared_between_backwards:

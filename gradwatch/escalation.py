@@ -777,9 +777,24 @@ class Escalation:
         if self.integration != "plain":
             return []
         inputs = [t for c in self._calls for t in tree_leaves((c.args, c.kwargs)) if isinstance(t, torch.Tensor)]
-        stops = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
         known = known | {id(t) for t in inputs}
+        out: list[torch.Tensor] = []
+        for var in self.graph_leaves(limit) or ():
+            if isinstance(var, nn.Parameter) and id(var) not in known and all(v is not var for v in out):
+                out.append(var)
+        return out
+
+    def graph_leaves(self, limit: int = 4096) -> list[torch.Tensor] | None:
+        """The leaf tensors (parameters) the step's model outputs were computed from: a walk of their graph
+        (at most ``limit`` nodes) that stops at the model's inputs. None when the step's graph is not held
+        (Lightning, a folded call). For checks on the first steps or on suspicious ones only."""
+        if self.integration != "plain":
+            return None
         frontier = [n for c in self._calls for n in c.nodes if n is not None]
+        if not frontier:
+            return None
+        inputs = [t for c in self._calls for t in tree_leaves((c.args, c.kwargs)) if isinstance(t, torch.Tensor)]
+        stops = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
         seen: set[int] = set()
         out: list[torch.Tensor] = []
         while frontier and len(seen) < limit:
@@ -789,8 +804,7 @@ class Escalation:
             seen.add(id(node))
             var = getattr(node, "variable", None)
             if var is not None:
-                if isinstance(var, nn.Parameter) and id(var) not in known and all(v is not var for v in out):
-                    out.append(var)
+                out.append(var)
                 continue
             frontier.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
         return out

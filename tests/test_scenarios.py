@@ -1666,3 +1666,45 @@ def test_spectral_norm_critic_with_a_wasserstein_loss_is_not_a_dead_layer() -> N
     assert [f for f in gw.findings if f.severity != "info"] == []
     layers = gw.engine.history.last[0].layer_norms
     assert "4" in layers and not any("parametrizations" in k for k in layers)
+
+
+def test_a_gradient_dropped_on_purpose_for_the_first_epoch_is_not_none_grad() -> None:
+    # Must not flag: DINO's utils.cancel_gradients_last_layer sets the last layer's p.grad = None for the
+    # whole first epoch (facebookresearch/dino). Backward reached the layer; the training code dropped its
+    # gradient. It was reported at step 0 as "got no gradient: use it in forward or freeze it".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    last = model[2]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(30):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step < 20:  # the "first epoch"
+                for p in last.parameters():
+                    p.grad = None
+            opt.step()
+    assert not any(f.kind == "none_grad" for f in gw.findings)
+
+
+def test_a_parameter_the_graph_never_reaches_is_still_none_grad() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(3):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "none_grad"]
+    assert f.step == 0 and set(f.params) == {"unused.weight", "unused.bias"}

@@ -35,7 +35,10 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
     never = _never(stats, history)
     # Parameters the model does not own are foreign_params' (or not_in_optimizer's) to report.
     foreign = set(stats.foreign)
-    fresh = [n for n in stats.none_grad if n in never and n not in seen and n not in foreign]
+    # Parameters the step's graph reached: backward gave them a gradient that the training code set to None
+    # on purpose (a layer kept frozen for the first epoch by dropping its gradient): not unused.
+    dropped = stats.extra.get("grad_dropped") or frozenset()
+    fresh = [n for n in stats.none_grad if n in never and n not in seen and n not in foreign and n not in dropped]
     waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{i}", {}))
     member_of = stats.extra.get("member_of")
     if fresh and stats.extra.get("unused_expected"):
