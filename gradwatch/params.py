@@ -89,6 +89,8 @@ class ParamIndex:
     def __init__(self, model: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> None:
         self.model = model
         self.optimizers = optimizers
+        #: Names of the tensors the model has owned since the run began, also after it replaced them.
+        self.former_name: dict[int, str] = {}
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -123,6 +125,11 @@ class ParamIndex:
                 )
             ]
         self._held = held = {id(p) for op in self.per_optimizer for p in op.params}
+        # Kept for the optimizers' tensors only (at most as many as they hold).
+        self.former_name = {k: v for k, v in self.former_name.items() if k in held}
+        for n, p in self.model_params:
+            if id(p) in held:
+                self.former_name.setdefault(id(p), n)
         # Meta-device parameters hold no values and are never trained (a template for torch.func's
         # functional_call / stack_module_state, whose real parameters the optimizer holds).
         self.not_in_optimizer: tuple[str, ...] = tuple(
@@ -155,7 +162,11 @@ class ParamIndex:
                 name = self.param_name.get(id(p))
                 if name is None:
                     shape = "uninitialized" if nn.parameter.is_lazy(p) else tuple(p.shape)
-                    name = f"<optimizer {index} group {gi} param {pi} {shape}>"
+                    former = self.former_name.get(id(p))
+                    name = (
+                        f"<{former}, replaced in the model>" if former is not None
+                        else f"<optimizer {index} group {gi} param {pi} {shape}>"
+                    )
                     if self.model is not None:
                         foreign.append(name)
                     modules.append(None)

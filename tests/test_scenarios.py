@@ -1708,3 +1708,38 @@ def test_a_parameter_the_graph_never_reaches_is_still_none_grad() -> None:
             opt.step()
     (f,) = [f for f in gw.findings if f.kind == "none_grad"]
     assert f.step == 0 and set(f.params) == {"unused.weight", "unused.bias"}
+
+
+class _EMACodebook(nn.Module):
+    """zalandoresearch/pytorch-vq-vae's VectorQuantizerEMA: forward re-assigns its codebook as new
+    nn.Parameter objects every training step (an EMA update; the codebook gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._embedding = nn.Embedding(16, 8)
+        self._ema_w = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        distances = torch.cdist(z, self._embedding.weight)
+        codes = torch.zeros(z.shape[0], 16).scatter_(1, distances.argmin(1, keepdim=True), 1)
+        quantized = codes @ self._embedding.weight
+        if self.training:
+            self._ema_w = nn.Parameter(self._ema_w * 0.99 + 0.01 * (codes.t() @ z))
+            self._embedding.weight = nn.Parameter(self._ema_w / (codes.sum(0, keepdim=True).t() + 1.0))
+        return z + (quantized - z).detach()
+
+
+def test_an_ema_codebook_reassigned_in_forward_is_not_foreign_params() -> None:
+    # Must not flag: the optimizer still holds the codebook tensors the model replaced; it said "holds 2
+    # parameters the watched model does not own ... so this model never trains".
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(32, 8), "vq": _EMACodebook(), "dec": nn.Linear(8, 32)})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(10):
+            x = torch.randn(16, 32)
+            loss = F.mse_loss(model["dec"](model["vq"](model["enc"](x))), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in gw.findings if f.severity != "info"] == []

@@ -68,7 +68,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         foreign = set(stats.foreign)
         held = [*stats.names, *stats.none_grad]
         all_foreign = bool(held) and all(n in foreign for n in held)
-        unused = tuple(n for n in stats.foreign if n in set(stats.none_grad))
+        # A tensor the model itself replaced (an attribute re-assigned in forward: an EMA codebook's
+        # ``self.w = nn.Parameter(...)``) is the optimizer's stale copy: a head swapped in for training is
+        # reported by not_in_optimizer, not here.
+        unused = tuple(
+            n for n in stats.foreign if n in set(stats.none_grad) and not n.endswith(", replaced in the model>")
+        )
         shown = stats.foreign if all_foreign else unused
     else:
         shown = ()
