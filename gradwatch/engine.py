@@ -433,6 +433,7 @@ class Engine:
         elif self._forward_scans < 2:
             stats.extra["unregistered"] = self._built_in_forward()
         stats.extra["params"] = gparams  # aligned with names; checks that need a parameter's flags read it
+        stats.extra["lookup_layers"] = self.index.lookup_layers
         stats.extra["optimizer"] = op.optimizer
         if none:
             stats.extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads

@@ -94,14 +94,20 @@ class ParamIndex:
         self.rebuild()
 
     def rebuild(self) -> None:
+        #: Layers that are lookup tables (``nn.Embedding``/``EmbeddingBag``): a batch reaches only its rows.
+        self.lookup_layers: frozenset[str] = frozenset()
         self.param_name: dict[int, str] = {}
         self.param_module: dict[int, str] = {}
         self.module_name: dict[int, str] = {}
         self.model_params: list[tuple[str, torch.Tensor]] = []
         if self.model is not None:
             wrappers = _module_wrappers(self.model)
+            lookups = []
             for mname, module in self.model.named_modules(remove_duplicate=False):
                 self.module_name.setdefault(id(module), user_path(mname, wrappers))
+                if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                    lookups.append(user_path(mname, wrappers) or "<root>")
+            self.lookup_layers = frozenset(lookups)
             for mname, module in self.model.named_modules():
                 mname = user_path(mname, wrappers)
                 for pname, p in module.named_parameters(recurse=False):

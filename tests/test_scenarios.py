@@ -1743,3 +1743,33 @@ def test_an_ema_codebook_reassigned_in_forward_is_not_foreign_params() -> None:
             loss.backward()
             opt.step()
     assert [f.kind for f in gw.findings if f.severity != "info"] == []
+
+
+def test_a_large_embedding_table_is_not_vanishing() -> None:
+    # Must not flag: a DLRM-style recommender with a large user table (sparse=True, SGD). A batch reaches a
+    # few of its rows, so its gradient relative to the whole table's weights is tiny by construction:
+    # it was reported as a vanishing layer, with a fix about activations and init.
+    torch.manual_seed(0)
+
+    class Rec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user = nn.Embedding(1_000_000, 8, sparse=True)
+            self.item = nn.Embedding(500, 8, sparse=True)
+            self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return self.mlp(torch.cat([self.user(u), self.item(i)], 1)).squeeze(1)
+
+    model = Rec()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    item_factor = torch.randn(500)
+    with gradwatch.watch(model, opt, console=False, window=20, update_ratio_every=5) as gw:
+        for _ in range(60):
+            u, i = torch.randint(0, 1_000_000, (64,)), torch.randint(0, 500, (64,))
+            y = torch.bernoulli(torch.sigmoid(item_factor[i]))
+            loss = F.binary_cross_entropy_with_logits(model(u, i), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not any(f.kind == "vanishing_grad" for f in gw.findings), [f.message for f in gw.findings]

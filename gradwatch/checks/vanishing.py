@@ -6,7 +6,8 @@ is vanishing when its relative gradient stays below ``vanishing_ratio`` times th
 makes the test independent of the loss scale and the learning rate; requiring it to persist keeps single
 quiet batches out. Parameter norms come from :mod:`gradwatch.magnitude` (every ``update_ratio_every``
 checked steps; weights change slowly in between). Layers with exactly zero gradients are left to
-``dead_layer``. Reported once per layer, again only after it recovered.
+``dead_layer``; lookup tables (``nn.Embedding``) are not compared (a batch reaches only its rows).
+Reported once per layer, again only after it recovered.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
         return {}
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
     inf = math.inf
-    rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights}
+    # A lookup table's gradient covers only the rows of the batch, its weights every row: its relative
+    # gradient shrinks with the table's size (a 400k-row user table), whatever the training does.
+    lookups = stats.extra.get("lookup_layers") or ()
+    rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights and k not in lookups}
     if len(rel) < MIN_LAYERS:
         return {}
     typical = quantile(rel.values(), 0.75)
