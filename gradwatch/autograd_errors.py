@@ -763,6 +763,25 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
                 f"whole tensor before {multi}."
             ),
         ]
+    elif "leaf Variable that requires grad" in text and (made := _made_leaf(ctx)) is not None:
+        op = None
+        lines = [
+            f"an in-place write into `{made}`, a tensor created with requires_grad=True (not a parameter), "
+            f"failed at step {ctx.step}: {text}",
+            f"Where: {'the forward of module ' + shown if shown else 'outside the model'}"
+            + (f", at {source}" if source else "")
+            + ".",
+            (
+                f"Why it matters: `{made}` is a leaf of the graph, so autograd cannot record writes into it; "
+                "PyTorch refuses. Wrapping the write in torch.no_grad() would cut everything written into it "
+                "out of the graph (the layers before it would get no gradient)."
+            ),
+            (
+                f"Fix: create `{made}` without requires_grad (e.g. torch.zeros(...)): it joins the graph through "
+                f"what is written into it; or build it out of place (`{made} = {made} + h` instead of "
+                f"`{made} += h`), or collect the pieces in a list and torch.stack / torch.cat them."
+            ),
+        ]
     elif "leaf Variable that requires grad" in text:
         op = None
         lines = [
@@ -806,6 +825,24 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
         op=op,
         data={"phase": "forward", "source": source, "module_exact": module is not None},
     )
+
+
+def _made_leaf(ctx: _Context) -> str | None:
+    """The local variable of the raising line that is a leaf tensor with requires_grad=True but not an
+    ``nn.Parameter`` (``pooled = torch.zeros(B, 8, requires_grad=True); pooled += h``), from the innermost
+    frame of the user's code."""
+    for frame in reversed(ctx.frames):
+        if str(frame.f_globals.get("__name__", "")).split(".")[0] in ("torch", "gradwatch"):
+            continue
+        line = linecache.getline(frame.f_code.co_filename, ctx.lines.get(id(frame), frame.f_lineno))
+        for name, v in list(frame.f_locals.items()):
+            if (
+                isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.is_leaf
+                and v.requires_grad and re.search(rf"\b{re.escape(name)}\b", line)
+            ):
+                return name
+        return None
+    return None
 
 
 # -- backward_twice --------------------------------------------------------------------------------

@@ -825,3 +825,39 @@ def test_an_error_explained_by_hand_and_re_raised_out_of_the_with_block_is_one_f
                 assert gw.explain(e) is not None
                 raise
     assert [f.kind for f in gw.findings] == ["nonscalar_backward"]
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_writing_into_a_tensor_created_with_requires_grad_gets_the_fix_that_keeps_the_graph(view: bool) -> None:
+    # A forward that pools into `torch.zeros(B, 8, requires_grad=True)` with `+=` (or writes `outs[:, t] = h`).
+    # The fix said "run it under torch.no_grad()", which cuts the RNN out of the graph (none_grad next run).
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.GRUCell(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.zeros(x.shape[0], 8)
+            if view:
+                outs = torch.zeros(x.shape[0], x.shape[1], 8, requires_grad=True)
+                for t in range(x.shape[1]):
+                    h = self.rnn(x[:, t], h)
+                    outs[:, t] = h
+                return self.head(outs.mean(1))
+            pooled = torch.zeros(x.shape[0], 8, requires_grad=True)
+            for t in range(x.shape[1]):
+                h = self.rnn(x[:, t], h)
+                pooled += h / x.shape[1]
+            return self.head(pooled)
+
+    model = Pool()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            loss = model(torch.randn(4, 5, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
+    name = "outs" if view else "pooled"
+    assert f"`{name}`, a tensor created with requires_grad=True (not a parameter)" in f.message
+    assert f"create `{name}` without requires_grad" in f.message and "run it under" not in f.message
