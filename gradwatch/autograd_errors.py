@@ -949,6 +949,18 @@ def _backward_twice(ctx: _Context) -> Finding:
             "retain_graph=True to every backward() but the last one that goes through the shared part. Also "
             "check for tensors kept across steps without .detach() (RNN hidden state, running totals)."
         )
+        if _lightning_backward(ctx):
+            data.update(cause="backward_in_training_step")
+            lines[1] = (
+                "Cause: Lightning's automatic optimization ran backward() on the loss training_step returned, "
+                "after training_step had already called loss.backward() on it."
+            )
+            fix = (
+                "Fix: remove loss.backward() from training_step: Lightning backpropagates the loss it returns "
+                "(retain_graph=True would silence the error and double every gradient). To run backward "
+                "yourself, set self.automatic_optimization = False and call self.manual_backward(loss) and "
+                "the optimizer's step in training_step."
+            )
     lines.append(fix)
     return Finding(
         kind="backward_twice",
@@ -958,6 +970,18 @@ def _backward_twice(ctx: _Context) -> Finding:
         module=module,
         data=data,
     )
+
+
+def _lightning_backward(ctx: _Context) -> bool:
+    """The failing backward() is Lightning's own (automatic optimization), not one in the user's code."""
+    if ctx.tracer is None or ctx.tracer.integration != "lightning":
+        return False
+    for frame in reversed(ctx.frames):  # innermost first: the frame that called backward()
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in ("torch", "gradwatch"):
+            continue
+        return module.startswith(("lightning.", "pytorch_lightning."))
+    return False
 
 
 def _seq(node: Any) -> int | None:

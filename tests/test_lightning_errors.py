@@ -152,6 +152,8 @@ class Broken(Automatic):
         if self.bug == "running_total":
             self.kept = loss if self.kept is None else self.kept + loss
             return self.kept
+        if self.bug == "backward_in_step":
+            loss.backward()  # code from a plain loop: Lightning backpropagates the returned loss itself
         return loss
 
 
@@ -171,6 +173,18 @@ def test_backward_twice_from_a_running_total_is_explained() -> None:
         tiny_trainer(pl, [cb], max_steps=3).fit(Broken("running_total"))
     [f] = [f for f in cb.findings if f.kind == "backward_twice"]
     assert (f.step, f.data["cause"]) == (1, "running_total")
+
+
+def test_backward_called_in_training_step_is_explained_the_lightning_way() -> None:
+    # training_step calls loss.backward() and returns the loss (VinAIResearch/PSENet-Image-Enhancement#1:
+    # "the loss.backward() will be handled automatically by the library"; Lightning-AI/pytorch-lightning#1771).
+    # The fix was the plain loop's "add the losses, or pass retain_graph=True", which doubles the gradients.
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        tiny_trainer(pl, [cb], max_steps=3).fit(Broken("backward_in_step"))
+    [f] = [f for f in cb.findings if f.kind == "backward_twice"]
+    assert (f.step, f.data["cause"]) == (0, "backward_in_training_step")
+    assert "remove loss.backward() from training_step" in f.message
 
 
 def test_loss_computed_under_no_grad_is_explained() -> None:
