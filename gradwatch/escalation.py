@@ -375,8 +375,10 @@ class Escalation:
         if self._anomaly_prev is None:
             self._anomaly_prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
         # check_nan=False: anomaly mode records forward tracebacks; gradwatch itself checks NaN and Inf,
-        # so a NaN never raises out of the user's backward() under "warn"/"skip".
-        torch.set_anomaly_enabled(True, False)
+        # so a NaN never raises out of the user's backward() under "warn"/"skip". A user who turned anomaly
+        # mode on with its NaN check (Trainer(detect_anomaly=True)) keeps it: their run stops at a NaN.
+        enabled, check_nan = self._anomaly_prev
+        torch.set_anomaly_enabled(True, bool(enabled and check_nan))
 
     def _anomaly_restore(self) -> None:
         if self._anomaly_prev is not None:

@@ -152,6 +152,10 @@ class Broken(Automatic):
         if self.bug == "running_total":
             self.kept = loss if self.kept is None else self.kept + loss
             return self.kept
+        if self.bug == "inf_then_nan" and batch_idx == 2:
+            loss = loss + torch.exp(self.net[3].bias + 200).sum()  # Inf only: anomaly mode lets it pass
+        if self.bug == "inf_then_nan" and batch_idx == 4:
+            loss = loss + torch.sqrt((out - out.detach()).pow(2).sum())  # sqrt(0): a NaN born in backward
         if self.bug == "backward_in_step":
             loss.backward()  # code from a plain loop: Lightning backpropagates the returned loss itself
         return loss
@@ -204,6 +208,16 @@ def test_trainer_detect_anomaly_error_is_explained_as_the_nan_origin() -> None:
     [f] = [f for f in cb.findings if f.kind == "nan_origin"]
     assert (f.step, f.data["phase"]) == (2, "backward") and f.op in raised.value.args[0]
     assert "an Inf reached it from an earlier backward op" in f.message  # sqrt's Inf, NaN at a matmul
+
+
+def test_detect_anomaly_still_stops_at_a_nan_inside_gradwatchs_escalation_window() -> None:
+    # Trainer(detect_anomaly=True): an Inf at batch 2 opened gradwatch's escalation window, which ran anomaly
+    # mode with check_nan=False; the NaN of batch 4 then no longer stopped fit() as the user asked.
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="returned nan values"):
+        tiny_trainer(pl, [cb], max_steps=7, detect_anomaly=True).fit(Broken("inf_then_nan"))
+    assert [(f.kind, f.step) for f in cb.findings if f.kind == "nan_origin"] == [("nan_origin", 2), ("nan_origin", 4)]
+    assert not torch.is_anomaly_enabled()  # restored after the fit
 
 
 def test_nonscalar_loss_is_explained() -> None:
