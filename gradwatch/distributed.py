@@ -346,6 +346,12 @@ class RankAgreement:
         stale_slot = ctx.slots.get("stale_loss", -1)
         if stale_slot >= 0:
             vec[w + self.rank] = (~torch.isfinite(batch.part(stale_slot).to(device))).any().to(torch.float32)
+        amp_slot = ctx.slots.get("amp_scaler_skips", -1)
+        if amp_slot >= 0 and loss_slot >= 0:
+            # An optimizer that unscales in its own fused step runs step() on the steps a GradScaler drops:
+            # this step's own non-finite loss is then one no update uses, as a stale one is.
+            own = (~torch.isfinite(batch.part(loss_slot).to(device))).any() & (batch.part(amp_slot).to(device).sum() > 0)
+            vec[w + self.rank] = torch.maximum(vec[w + self.rank], own.to(torch.float32))
         if self._sharded:
             vec[2 * w : 2 * w + len(self._sharded)] = self._local_squares(ctx, device)
         self._fingerprinted = fingerprint is not None
@@ -461,6 +467,9 @@ class RankAgreement:
             values = values[:-2]
         ranks = [r for r in range(self.world) if values[r] > 0]
         dropped = [r for r in range(self.world) if values[self.world + r] > 0]
+        amp_slot = ctx.slots.get("amp_scaler_skips", -1)
+        if dropped and amp_slot >= 0 and float(sum(ctx.batch.resolve()[amp_slot])) > 0:
+            stats.extra["amp_dropped_here"] = True
         if dropped and self.rank not in dropped:
             # Another rank's loss was NaN/Inf on a batch no update used; its NaN gradients reached every rank
             # through the all-reduce (a GradScaler then dropped the step everywhere, which looks like an
@@ -671,8 +680,10 @@ def other_rank_dropped_finding(stats: StepStats, ranks: list[int]) -> Finding:
     which = _ranks_text(ranks)
     dropped = stats.extra.get("scaler_dropped")
     # A GradScaler's dropped steps are counted as steps: name the (first) one it dropped, as that rank does.
+    # A fused optimizer's step runs on a dropped step: this very step was dropped.
+    here = bool(stats.extra.get("amp_dropped_here"))
     step = dropped[0] if isinstance(dropped, tuple) else stats.step
-    when = f"at step {step}" if isinstance(dropped, tuple) else f"on a batch before step {step}"
+    when = f"at step {step}" if isinstance(dropped, tuple) or here else f"on a batch before step {step}"
     return Finding(
         kind="nonfinite_on_other_rank",
         step=step,

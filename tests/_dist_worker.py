@@ -126,18 +126,22 @@ def ddp_unused(rank: int, wrapped: bool, alternating: bool = False) -> dict[str,
 
 def ddp_nan(
     rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True, scaler: bool = False,
-    guard: bool = False,
+    guard: bool = False, fused: bool = False,
 ) -> dict[str, Any]:
     """DDP, a NaN in one sample of rank 1's batch at NAN_STEP; rank 0's data is finite. ``escalate=False``
     holds no inputs: then only the observed losses can say where the NaN came from. ``scaler``: a
     GradScaler (bf16 autocast) drops the NaN step on every rank. ``guard``: each rank skips
-    ``opt.step()`` on its own non-finite loss (ranks step unevenly), watched with ``rank_agreement=False``."""
+    ``opt.step()`` on its own non-finite loss (ranks step unevenly), watched with ``rank_agreement=False``.
+    ``fused``: AdamW(fused=True) (nanoGPT's set-up), which unscales in its own step: step() runs on the step
+    the scaler drops."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = DDP(Net())
-    if adam:
-        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    if fused:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    elif adam:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     console = text_console()
@@ -468,6 +472,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_nan_input": lambda r: ddp_nan(r, adam=True, observe=False),
     "ddp_nan_loss": lambda r: ddp_nan(r, adam=True, escalate=False),
     "ddp_nan_scaler": lambda r: ddp_nan(r, scaler=True),
+    "ddp_nan_scaler_fused": lambda r: ddp_nan(r, scaler=True, fused=True),
     "ddp_guarded_step": lambda r: ddp_nan(r, guard=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
