@@ -398,13 +398,13 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
     param = _modified_param(ctx, consumer, shape, now) if consumer is not None else None
     if param is None and consumer is not None and _watched_elsewhere(ctx, consumer, shape, now):
         return None  # another watcher's model owns the parameter (a GAN watched per network): it explains
-    if param is not None and (raw_op is None or op in ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")):
+    if param is not None and (raw_op is None or op in _VIEW_OPS):
         pname, pmodule, pshape = param
         data.update(param=pname, module_exact=True)
         tensor = next((p for n, p in ctx.index.model_params if n == pname), None)
         writes = _traced_writes(ctx, tensor) if tensor is not None else []
         return _param_finding(ctx, pname, pmodule, pshape, now, expected, data, op, writes[0] if writes else None)
-    if raw_op is None:
+    if raw_op is None or op in _VIEW_OPS:
         buffer = _modified_buffer(ctx, shape, now)
         if buffer is not None:
             return _buffer_finding(ctx, buffer, shape, now, expected, data)
@@ -532,43 +532,60 @@ def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now
     )
 
 
-def _modified_buffer(ctx: _Context, shape: tuple[int, ...], now: int) -> tuple[str, torch.Tensor] | None:
+#: Ops whose output is a view of their input: a saved view of a parameter or buffer is that tensor.
+_VIEW_OPS = ("AsStrided", "T", "Transpose", "View", "Permute", "Expand")
+
+
+def _modified_buffer(
+    ctx: _Context, shape: tuple[int, ...], now: int
+) -> tuple[str, torch.Tensor, list[str]] | None:
     """A buffer of the model (a queue, a memory bank, running statistics) that autograd saved (itself or
-    a view: views share its version counter) and that was then written in place."""
+    a view: views share its version counter) and that was then written in place; with the names of the
+    other buffers that match as well (same size and version: which one cannot be told)."""
     model = ctx.engine.model
     if model is None:
         return None
     numel = 1
     for d in shape:
         numel *= d
-    for name, buf in model.named_buffers():
-        if buf._version == now and buf.numel() == numel and buf.is_floating_point():
-            return name, buf
-    return None
+    found = [
+        (name, buf) for name, buf in model.named_buffers()
+        if buf._version == now and buf.numel() == numel and buf.is_floating_point()
+    ]
+    if not found:
+        return None
+    return found[0][0], found[0][1], [n for n, _b in found[1:]]
 
 
 def _buffer_finding(
     ctx: _Context, buffer: tuple[str, torch.Tensor], shape: tuple[int, ...], now: int, expected: int,
     data: dict[str, Any],
 ) -> Finding:
-    name, buf = buffer
+    name, buf, alike = buffer
     owner, _, attr = name.rpartition(".")
     module = ctx.display_module(owner) if owner else ctx.display_module("")
     mods = _traced_writes(ctx, buf)
+    which = f"buffer {name}" if not alike else f"buffer {name} (or {names_text(alike)}: same size and version)"
     lines = [
         (
-            f"backward() failed at step {ctx.step}: buffer {name} (shape {list(buf.shape)}) of module {module} "
+            f"backward() failed at step {ctx.step}: {which} (shape {list(buf.shape)}) of module {module} "
             f"was modified in place after the forward pass used it ({_versions_text(now, expected)}); autograd "
             f"saved it (shape {list(shape)}) to compute a gradient."
         )
     ]
+    graph = (
+        f" Write values without their graph into it, too: self.{attr}[idx] = feats.detach() (a buffer that "
+        "carries a graph makes the next step's backward go through this one)."
+        if buf.grad_fn is not None
+        else ""
+    )
     if mods:
         src = _with_line(mods[0].source)
         lines.append(
             f"Modified by: {mods[0].op} in module {ctx.display_module(mods[0].module) or '<outside the model>'}"
             + (f" at {src}" if src else "") + "."
         )
-    data.update(buffer=name, module_exact=True, modified_by=mods[0].op if mods else None,
+    data.update(buffer=name, buffers_alike=alike, module_exact=True, modified_by=mods[0].op if mods else None,
                 modified_at=_with_line(mods[0].source) if mods else None)
     return Finding(
         kind="inplace_error",
@@ -577,7 +594,7 @@ def _buffer_finding(
         message="\n".join(lines) + "\n" + _WHY_INPLACE + "\n" + (
             f"Fix: update self.{attr} after backward() (e.g. in a method called after optimizer.step()), or let "
             f"the forward use a copy: self.{attr}.clone() (a queue or memory bank, as in MoCo, is enqueued "
-            "after the loss was computed from a copy)."
+            "after the loss was computed from a copy)." + graph
         ),
         module=module,
         op=mods[0].op if mods else None,

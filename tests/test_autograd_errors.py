@@ -861,3 +861,64 @@ def test_writing_into_a_tensor_created_with_requires_grad_gets_the_fix_that_keep
     name = "outs" if view else "pooled"
     assert f"`{name}`, a tensor created with requires_grad=True (not a parameter)" in f.message
     assert f"create `{name}` without requires_grad" in f.message and "run it under" not in f.message
+
+
+class _Bank(nn.Module):
+    """Instance discrimination with a memory bank buffer (MoCo-like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.register_buffer("bank", nn.functional.normalize(torch.randn(64, 8), dim=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.enc(x), dim=1)
+
+
+def test_a_memory_bank_written_with_its_graph_before_backward_is_named_with_the_detach_fix() -> None:
+    # bank[idx] = feats (no .detach()) between the loss and backward(): autograd saved bank.t() (a view,
+    # AsStrided), which the error named instead of the buffer; the fix did not say to detach.
+    torch.manual_seed(0)
+    model = _Bank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            idx, x = torch.randint(0, 64, (8,)), torch.randn(8, 8)
+            feats = model(x)
+            loss = nn.functional.cross_entropy(feats @ model.bank.t() / 0.1, idx)
+            model.bank[idx] = feats
+            loss.backward()
+    (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
+    assert f.data["buffer"] == "bank" and "self.bank[idx] = feats.detach()" in f.message
+
+
+class _PopArt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("mean", torch.zeros(1))
+        self.register_buffer("std", torch.ones(1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) / self.std + self.mean
+
+    def update(self, target: torch.Tensor) -> None:
+        self.mean.mul_(0.9).add_(0.1 * target.mean())
+        self.std.mul_(0.9).add_(0.1 * target.std())
+
+
+def test_running_statistics_updated_before_backward_name_every_buffer_that_matches() -> None:
+    # PopArt-style running statistics updated between forward and backward: DivBackward0 saved `std`, but
+    # `mean` has the same size and version; only `mean` was named.
+    torch.manual_seed(0)
+    model = _PopArt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            target = torch.randn(8, 1)
+            loss = (model(torch.randn(8, 4)) - target).pow(2).mean()
+            model.update(target)
+            loss.backward()
+    (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
+    assert {f.data["buffer"], *f.data["buffers_alike"]} == {"mean", "std"}
+    assert "same size and version" in f.message
