@@ -935,13 +935,30 @@ def _backward_twice(ctx: _Context) -> Finding:
             + (f"; the earlier graph comes from module {ctx.display_module(old_module[1])}" if old_module else "")
             + "."
         )
+        states = [] if at_loss else _graph_state_attrs(ctx)
+        if states:
+            cause = (
+                f"modules keep a tensor from an earlier step with its graph attached as an attribute: "
+                f"{names_text(states)} (a recurrent or spiking neuron's state carried across iterations)"
+            )
         lines.insert(1, f"Cause: {cause}.{where}")
         module = ctx.display_module(old_module[1]) if old_module else None
+        if states:
+            module = ctx.display_module(states[0].rpartition(".")[0])
         data.update(cause="running_total" if at_loss else "carried_state", enters_at=consumer.name())
+        if states:
+            data.update(state_attributes=states)
         if at_loss:
             fix = (
                 "Fix: call backward() on this step's loss only, and accumulate what you log without its graph: "
                 "`total += loss.item()` (or `loss.detach()`)."
+            )
+        elif states:
+            attr = states[0].rpartition(".")[2]
+            fix = (
+                f"Fix: reset that state at the start of every iteration (or batch), or cut its graph: "
+                f"`self.{attr} = self.{attr}.detach()` after the step (for snnTorch neurons: "
+                "snntorch.utils.reset(net), or mem = lif.init_leaky() at the start of forward)."
             )
         else:
             fix = (
@@ -987,6 +1004,23 @@ def _backward_twice(ctx: _Context) -> Finding:
         module=module,
         data=data,
     )
+
+
+def _graph_state_attrs(ctx: _Context, limit: int = 8) -> list[str]:
+    """Plain tensor attributes of the model's modules (not parameters or buffers) that carry a graph
+    (``self.mem`` of a spiking neuron kept across iterations)."""
+    model = ctx.engine.model
+    if model is None:
+        return []
+    out: list[str] = []
+    for name, m in model.named_modules():
+        for attr, v in vars(m).items():
+            if attr.startswith("_") or not isinstance(v, torch.Tensor) or v.grad_fn is None:
+                continue
+            out.append(f"{ctx.display_module(name) if name else '<root>'}.{attr}" if name else attr)
+            if len(out) >= limit:
+                return out
+    return out
 
 
 def _lightning_backward(ctx: _Context) -> bool:

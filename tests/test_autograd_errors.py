@@ -922,3 +922,36 @@ def test_running_statistics_updated_before_backward_name_every_buffer_that_match
     (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
     assert {f.data["buffer"], *f.data["buffers_alike"]} == {"mean", "std"}
     assert "same size and version" in f.message
+
+
+class _Leaky(nn.Module):
+    """A spiking neuron that keeps its membrane potential on the module (snnTorch style), never reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mem = x if self.mem is None else 0.9 * self.mem + x
+        return torch.sigmoid(self.mem - 1.0)
+
+
+def test_state_kept_on_modules_across_iterations_is_named() -> None:
+    # jeshraghian/snntorch#250 pattern: the membrane state lif1.mem carries step 0's graph into step 1.
+    # The finding named the nearest parameter's module (fc2) and the RNN `hidden.detach()` fix.
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(4, 8))
+    model.add_module("lif1", _Leaky())
+    model.add_module("fc2", nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for _ in range(2):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "backward_twice"]
+    assert f.step == 1 and f.data["state_attributes"] == ["lif1.mem"] and f.module == "lif1"
+    assert "self.mem = self.mem.detach()" in f.message
