@@ -32,7 +32,10 @@ per backward until a step no longer does, so such a finding comes one step later
 
 ``zero_grad_in_accumulation`` needs the step's gradient to be the last backward pass's. Clipping or
 unscaling it in place after that pass keeps it so; writing other values into it (``p.grad.copy_(summed)``
-in a DP-SGD loop written by hand) does not. Once a step had 3+ backward passes each clearing the one before,
+in a DP-SGD loop written by hand) does not. The tensor hook counts the passes since the gradient was last
+found cleared between two passes (``kept_passes``): 1 means the step holds its last pass only, whether each
+pass cleared the one before or one ``zero_grad`` right before the last discarded the accumulated ones
+(Accelerate's ``accumulate()`` with ``zero_grad()`` at its top). Once a step had 3+ backward passes ending so,
 one parameter with at least 16 elements gets a third hook (until a step no longer has them), which keeps a
 16-element strided sample of its gradient after each backward pass; a step whose gradient changed in place
 after its last pass queues one lazy flag: is it still a multiple of that sample?
@@ -43,7 +46,7 @@ with no optimizer step in between: a batch the training code skipped, or one a G
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, state, the step of the previous check), ``"zero_grad_missing"``,
+backward passes counted, kept passes, state, the step of the previous check), ``"zero_grad_missing"``,
 ``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
 in ``"zero_grad"`` turns False after the sync when the gradient was rewritten after the last pass.
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
@@ -107,6 +110,9 @@ class _Tracker:
         # Since the baseline.
         self.accumulations = 0
         self.cleared = False  # set to None, replaced, or zeroed with a version bump
+        # Backward passes since the gradient was last found cleared between two passes (or since the
+        # baseline): the passes the step's gradient still holds.
+        self.kept_passes = 0
         self.old_nonzero: list[torch.Tensor] = []  # lazy, per backward: the old gradient held a non-zero
         # After the most recent accumulation.
         self.post_ref: weakref.ref[torch.Tensor] | None = None
@@ -137,16 +143,19 @@ class _Tracker:
         self.base_version = g._version if g is not None else 0
         self.accumulations = 0
         self.cleared = False
+        self.kept_passes = 0
         self.old_nonzero = []
         self.post_nonzero = None
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
         try:
-            if self.on_cleared is not None and self.post_ref is not None:
+            if self.post_ref is not None:
                 g = self.rep.grad if self.rep is not None else None
                 if g is None or g is not self.post_ref() or g._version != self.post_version:
-                    self.on_cleared()
+                    self.kept_passes = 0  # what the earlier passes accumulated is gone
+                    if self.on_cleared is not None:
+                        self.on_cleared()
             if self.base_ref is None or self.cleared or self.rep is None:
                 return
             g = self.rep.grad
@@ -170,6 +179,7 @@ class _Tracker:
             if g is None:
                 return
             self.accumulations += 1
+            self.kept_passes += 1
             self.accumulated_at = self.steps() if self.steps is not None else -1
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
@@ -283,6 +293,7 @@ class ZeroGradTracker:
             "optimizer": i,
             "param": t.rep_name if rep is not None else None,
             "backward_passes": t.accumulations,
+            "kept_passes": t.kept_passes,
             "state": self._state(t, g),
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
@@ -316,7 +327,7 @@ class ZeroGradTracker:
             elif isinstance(rewritten, torch.Tensor):
                 ctx.slots[_SLOT_REWRITTEN] = ctx.batch.add(rewritten)
         passes = stats.extra.get("backward_passes")
-        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] == passes[0] - 1
+        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] > 0 and t.kept_passes == 1
         t.arm_sampling(armed, ctx.params)
         t.sample_of = None
         if t.model_param is not None:

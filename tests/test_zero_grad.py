@@ -365,6 +365,49 @@ def test_zero_grad_inside_the_accumulation_loop_is_flagged(where: str) -> None:
     assert kinds(gw) == [("zero_grad_in_accumulation", 1)]
 
 
+# HF Accelerate (huggingface/accelerate#1299): optimizer.zero_grad() at the top of `with
+# accelerator.accumulate(model):`. The prepared optimizer clears (and steps) only on the syncing micro-batch,
+# so the 3 micro-batches accumulated before it are cleared right before its backward pass, every update.
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_before_the_stepping_micro_batch_is_flagged(set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(16)):
+            sync = i % 4 == 3  # accelerator.sync_gradients
+            if sync:  # AcceleratedOptimizer.zero_grad() is a no-op on the other micro-batches
+                opt.zero_grad(set_to_none=set_to_none)
+            (model(x).pow(2).mean() / 4).backward()
+            if sync:
+                opt.step()
+    found = [f for f in gw.findings if f.kind == "zero_grad_in_accumulation"]
+    assert [(f.step, f.severity) for f in found] == [(1, "warning")]
+    text = found[0].message
+    assert "last of its 4 backward passes" in text and "the 3 passes before it had accumulated" in text
+    assert "after optimizer.step()" in text and "accelerator.accumulate" in text
+    assert kinds(gw) == [("zero_grad_in_accumulation", 1)]
+
+
+def test_an_accumulation_window_cleared_once_by_a_skipped_batch_is_silent() -> None:
+    # `if not torch.isfinite(loss): opt.zero_grad(); continue` once: that window loses its first
+    # micro-batches, the others are whole.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(20)):
+            loss = model(x).pow(2).mean() / 4
+            if i in (6, 10):  # a bad micro-batch in two windows running (the NaN check stands for it)
+                opt.zero_grad()
+                continue
+            loss.backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    assert kinds(gw) == []
+
+
 def test_two_cleared_backward_passes_per_step_are_silent() -> None:
     # SAM's two passes, an adversarial example's pass before the training pass: zero_grad() in between.
     torch.manual_seed(0)

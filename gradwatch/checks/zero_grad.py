@@ -50,23 +50,31 @@ IN_LOOP_MIN_PASSES = 3
 
 
 def _cleared_in_loop(stats: StepStats) -> bool:
-    """Micro-batches whose gradients were each cleared before the next: as many forward calls (or
-    Lightning batches) as backward passes, all of one batch size, none with an input that requires grad.
+    """Micro-batches cleared before the last one: the step's gradient holds its last backward pass only.
+    Either each pass cleared the one before (zero_grad() in every micro-batch), or the passes accumulated
+    and were cleared once, right before the last (zero_grad() at the top of ``with
+    accelerator.accumulate(model):``, which Accelerate runs on the syncing micro-batch only). As many
+    forward calls (or Lightning batches) as backward passes, all of one batch size, none with an input
+    that requires grad.
 
     Not: one forward with a backward per loss term (logging each term's gradient, PCGrad), the attack
     iterations of adversarial training (the input requires grad), per-sample passes next to the batch's
     own (Fisher estimates: other sizes), or gradients the code assembled itself (DP-SGD by hand).
     """
     passes = stats.extra.get("backward_passes")
-    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] == passes[0] - 1):
+    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] > 0):
         return False
     facts = stats.extra.get("zero_grad") or {}
     inputs = stats.extra.get("step_inputs")
     return (
-        bool(facts.get("last_backward_grad"))
+        facts.get("kept_passes") == 1
+        and bool(facts.get("last_backward_grad"))
         and bool(stats.names)
         and isinstance(inputs, tuple)
-        and inputs[0] >= passes[0]
+        # Cleared once before the last pass: also a batch skipped by the code (`if not isfinite(loss):
+        # zero_grad(); continue`) in a window, which ran a forward with no backward pass. So all forwards
+        # had one.
+        and (inputs[0] >= passes[0] if passes[1] == passes[0] - 1 else inputs[0] == passes[0])
         and not inputs[1]
         and len(inputs[2]) == 1
     )
@@ -149,25 +157,45 @@ def _cleared(stats: StepStats) -> Finding:
 
 def _in_loop(stats: StepStats) -> Finding:
     i = stats.optimizer_index
-    n = int(stats.extra["backward_passes"][0])
+    n, clears = int(stats.extra["backward_passes"][0]), int(stats.extra["backward_passes"][1])
     facts = stats.extra.get("zero_grad") or {}
     previous = facts.get("previous_step")
     since = f"; the same happened at step {previous}" if isinstance(previous, int) else ""
+    if clears == n - 1:
+        what = (
+            f"before each of the other {n - 1}, zero_grad() cleared what the previous pass had accumulated{since}. "
+            "zero_grad() is called inside the gradient-accumulation loop."
+        )
+        fix = (
+            "Fix: call optimizer.zero_grad() once per accumulation window, right after optimizer.step(), not "
+            "in every micro-batch iteration."
+        )
+    else:
+        # The passes accumulated, then one zero_grad() right before the last pass threw them away: the
+        # clearing runs at the start of the micro-batch that steps (Accelerate's prepared optimizer
+        # clears only on the syncing micro-batch, so zero_grad() at the top of accumulate() does this).
+        what = (
+            f"right before it, zero_grad() cleared the gradients the {n - 1} passes before it had accumulated{since}. "
+            "zero_grad() runs at the start of the micro-batch that steps, before its backward pass: e.g. at the "
+            "top of `with accelerator.accumulate(model):`, where the prepared optimizer's zero_grad() acts on "
+            "the syncing micro-batch only."
+        )
+        fix = (
+            "Fix: call optimizer.zero_grad() after optimizer.step() (at the end of the accumulation block, as "
+            "Accelerate's examples do), not before the backward pass."
+        )
     return Finding(
         kind=_IN_LOOP,
         step=stats.step,
         severity="warning",
         message=(
             f"optimizer {i}.step() at step {stats.step} applied the gradient of the last of its {n} backward passes "
-            f"only: before each of the other {n - 1}, zero_grad() cleared what the previous pass had "
-            f"accumulated{since}. zero_grad() is called inside the gradient-accumulation loop.\n"
+            f"only: {what}\n"
             f"Why it matters: accumulation does nothing: each update sees one micro-batch instead of {n} (and "
             f"with the loss divided by {n} for accumulation, the update is also {n}x too small); {n - 1} of "
             f"every {n} micro-batches are computed and thrown away.\n"
-            "Fix: call optimizer.zero_grad() once per accumulation window, right after optimizer.step(), not "
-            "in every micro-batch iteration. (Backward passes kept apart on purpose, e.g. per-sample "
-            "gradients, can ignore this.)"
+            f"{fix} (Backward passes kept apart on purpose, e.g. per-sample gradients, can ignore this.)"
         ),
         params=tuple(stats.names),
-        data={"optimizer": i, "backward_passes": n, "count": len(stats.names)},
+        data={"optimizer": i, "backward_passes": n, "clears": clears, "count": len(stats.names)},
     )
