@@ -5,7 +5,7 @@ optimization bypasses patched instances and never fires ``on_before_zero_grad``)
 representative parameter (the smallest trainable one, one the model does not own if the optimizer holds
 such; re-picked when it holds no gradient at a check while others do, or when no backward pass reached
 it since the previous check) carries two hooks, so the cost is two Python calls per backward pass,
-whatever the model's size:
+whatever the model's size (two more in a distributed run, see ``reread_after_backward``):
 
 - a tensor hook, which runs before the incoming gradient is accumulated, while ``p.grad`` still holds
   the old value: it sees whether the old gradient was set to None, replaced, or modified in place
@@ -37,7 +37,8 @@ found cleared between two passes (``kept_passes``): 1 means the step holds its l
 pass cleared the one before or one ``zero_grad`` right before the last discarded the accumulated ones
 (Accelerate's ``accumulate()`` with ``zero_grad()`` at its top). Once a step had 3+ backward passes ending so,
 one parameter with at least 16 elements gets a third hook (until a step no longer has them), which keeps a
-16-element strided sample of its gradient after each backward pass; a step whose gradient changed in place
+16-element strided sample of its gradient after each backward pass (taken again at the end of the backward
+call, after DDP's reducer wrote the averaged gradient into ``.grad``); a step whose gradient changed in place
 after its last pass queues one lazy flag: is it still a multiple of that sample?
 
 With one optimizer the same two hooks also tell the engine which observed losses belong to the
@@ -130,6 +131,10 @@ class _Tracker:
         self.on_backward: Any = None
         self.on_cleared: Any = None
         self.repick_after = 0  # no re-pick for an unreached representative before this step
+        # Distributed runs: DDP's reducer writes the all-reduced gradient into .grad (or swaps its bucket
+        # view in) at the end of each synced backward, after the post-accumulate hook: that is the pass's
+        # gradient, so it is read again then.
+        self.reread_after_backward = False
         # The engine's optimizer step count, and its value at the latest accumulation.
         self.steps: Any = None
         self.accumulated_at = -1
@@ -186,6 +191,9 @@ class _Tracker:
             self.post_ptr = g.data_ptr() if not g.is_sparse else 0
             if self.on_backward is not None:
                 self.on_backward()
+            if self.reread_after_backward:
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(lambda: self.reread(param)))  # runs after every callback queued before
             if self.watch_after_backward and not g.is_sparse:
                 self.post_nonzero = g.any()
             else:
@@ -193,13 +201,32 @@ class _Tracker:
         except Exception as exc:  # noqa: BLE001
             internal_warning("zero_grad accumulate hook", exc)
 
+    def reread(self, param: torch.Tensor) -> None:
+        try:
+            g = param.grad
+            if g is not None and param is self.rep:
+                self.post_ref = weakref.ref(g)
+                self.post_version = g._version
+                self.post_ptr = g.data_ptr() if not g.is_sparse else 0
+        except Exception as exc:  # noqa: BLE001 - runs inside the user's backward
+            internal_warning("zero_grad end of backward", exc)
+
     def after_sampled_accumulate(self, param: torch.Tensor) -> None:
+        try:
+            self.take_sample(param)
+            if self.reread_after_backward:  # after DDP's reducer wrote this pass's all-reduced gradient
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(lambda: self.take_sample(param)))
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("zero_grad sample hook", exc)
+
+    def take_sample(self, param: torch.Tensor) -> None:
         try:
             g = param.grad
             sample = _sample(g) if g is not None else None
             self.sample_of = (weakref.ref(g), g._version, g.data_ptr(), sample) if sample is not None else None
-        except Exception as exc:  # noqa: BLE001
-            internal_warning("zero_grad sample hook", exc)
+        except Exception as exc:  # noqa: BLE001 - runs inside the user's backward
+            internal_warning("zero_grad sample", exc)
 
     def arm_sampling(self, armed: bool, params: list[torch.Tensor]) -> None:
         if not armed:
@@ -255,9 +282,13 @@ class ZeroGradTracker:
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
+        from gradwatch.distributed import is_distributed
+
+        distributed = is_distributed()
         for op in engine.index.per_optimizer:
             t = _Tracker(op.index)
             t.steps = lambda: sum(engine.step_counts)
+            t.reread_after_backward = distributed
             self.trackers.append(t)
             candidates = [
                 (p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf and not is_lazy(p)
