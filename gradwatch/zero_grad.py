@@ -47,7 +47,8 @@ with no optimizer step in between: a batch the training code skipped, or one a G
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, kept passes, state, the step of the previous check), ``"zero_grad_missing"``,
+backward passes counted, kept passes, state, the step of the previous check, whether Lightning's
+automatic optimization clears the gradients), ``"zero_grad_missing"``,
 ``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
 in ``"zero_grad"`` turns False after the sync when the gradient was rewritten after the last pass.
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
@@ -276,9 +277,10 @@ class _Tracker:
 class ZeroGradTracker:
     """Engine extension: is each step's gradient this step's only? See the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, integration: str = "plain") -> None:
         self.engine: Any = None
         self.trackers: list[_Tracker] = []
+        self.integration = integration  # "lightning": the fix texts differ in automatic optimization
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -328,6 +330,9 @@ class ZeroGradTracker:
             "state": self._state(t, g),
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
+            # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
+            "lightning_automatic": self.integration == "lightning"
+            and bool(getattr(self.engine.model, "automatic_optimization", True)),
             # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
             "last_backward_grad": g is not None
             and t.post_ref is not None

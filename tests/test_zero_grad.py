@@ -662,3 +662,58 @@ def test_fresh_gradients_add_no_device_value_to_the_step(set_to_none: bool) -> N
             assert tracker.trackers[0].old_nonzero == []
             assert tracker.trackers[0].post_nonzero is None
     assert kinds(gw) == []
+
+
+# Porting a plain loop to Lightning (tester report): self.optimizers().zero_grad() left at the top of
+# training_step under Trainer(accumulate_grad_batches=4). Lightning steps and clears itself, so the fix is
+# to delete the call, not to move it after an optimizer.step() the module never calls.
+@pytest.mark.parametrize("where", ["training_step", "on_after_backward", "manual"])
+def test_zero_grad_of_a_lightning_module_names_the_lightning_fix(where: str) -> None:
+    from conftest import lightning_namespace, tiny_data, tiny_trainer
+
+    pl = lightning_namespace("lightning.pytorch")
+    from gradwatch.lightning import GradWatchCallback
+
+    class Module(pl.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.automatic_optimization = where != "manual"
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor | None:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if where == "on_after_backward":
+                return loss
+            opt = self.optimizers()
+            opt.zero_grad()  # the bug: every batch
+            if where == "training_step":
+                return loss
+            self.manual_backward(loss / 4)
+            if i % 4 == 3:
+                opt.step()
+            return None
+
+        def on_after_backward(self) -> None:
+            if where == "on_after_backward":
+                self.optimizers().zero_grad()  # the bug: between backward and Lightning's step
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = GradWatchCallback(console=False)
+    accumulate = 4 if where == "training_step" else 1
+    trainer = tiny_trainer(pl, [cb], max_steps=-1, max_epochs=1, accumulate_grad_batches=accumulate)
+    trainer.fit(Module(), tiny_data())
+    (f,) = cb.findings
+    if where == "on_after_backward":
+        assert f.kind == "grads_cleared_before_step"
+    else:
+        assert (f.kind, f.step) == ("zero_grad_in_accumulation", 1)
+    fix = f.message.split("Fix: ")[1]
+    if where == "manual":  # the module steps itself: the plain-loop fix holds
+        assert "right after optimizer.step()" in fix
+    else:
+        assert fix.startswith("delete that zero_grad() call") and "Lightning clears the gradients itself" in fix
+        assert "optimizer.step()" not in fix

@@ -136,6 +136,17 @@ def _cleared(stats: StepStats) -> Finding:
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
     what = "all zero" if stats.names else "None"
+    if facts.get("lightning_automatic"):
+        fix = (
+            "Fix: delete that zero_grad() call (from on_after_backward, on_before_optimizer_step or the "
+            "training_step after manual_backward): in automatic optimization Lightning clears the gradients "
+            "itself, after each optimizer step."
+        )
+    else:
+        fix = (
+            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
+            "the gradients right after step())."
+        )
     return Finding(
         kind="grads_cleared_before_step",
         step=stats.step,
@@ -146,9 +157,7 @@ def _cleared(stats: StepStats) -> Finding:
             "zero_grad() was called between loss.backward() and optimizer.step(), or optimizer.step() comes "
             "before loss.backward() in the loop (zero_grad(); step(); backward()).\n"
             "Why it matters: the step applies no gradient (only weight decay and momentum move the weights); "
-            "the model does not learn from the data.\n"
-            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
-            "the gradients right after step())."
+            "the model does not learn from the data.\n" + fix
         ),
         params=params,
         data={"optimizer": i, "backward_passes": passes, "grads": what, "count": len(params)},
@@ -161,7 +170,20 @@ def _in_loop(stats: StepStats) -> Finding:
     facts = stats.extra.get("zero_grad") or {}
     previous = facts.get("previous_step")
     since = f"; the same happened at step {previous}" if isinstance(previous, int) else ""
-    if clears == n - 1:
+    if facts.get("lightning_automatic"):
+        # Lightning steps and clears on its own schedule (accumulate_grad_batches): the user never calls
+        # step(), so "after optimizer.step()" has no place to go; the call itself is the bug.
+        what = (
+            f"zero_grad() cleared what the earlier batches had accumulated{since}. Lightning accumulates the "
+            f"gradients of {n} batches here (accumulate_grad_batches) and clears them itself: a zero_grad() of "
+            "the module's own, in training_step or a hook that runs per batch, throws the earlier ones away."
+        )
+        fix = (
+            "Fix: delete that zero_grad() call (e.g. self.optimizers().zero_grad() in training_step): in "
+            "automatic optimization Lightning clears the gradients itself, once per accumulation window, "
+            "right after its optimizer step."
+        )
+    elif clears == n - 1:
         what = (
             f"before each of the other {n - 1}, zero_grad() cleared what the previous pass had accumulated{since}. "
             "zero_grad() is called inside the gradient-accumulation loop."
