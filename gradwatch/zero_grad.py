@@ -23,6 +23,16 @@ reference: a freed gradient's ``id()`` is reused at once):
   with the step's one sync. All zeros: fresh. Otherwise the step's gradient holds the previous step's:
   ``stats.extra["zero_grad_missing"] = True``.
 
+A second parameter per optimizer, the *sentinel*, carries no hook: from another part of the model (the
+least shared module path), only its gradient's identity and version are compared at each check (O(1)).
+``zero_grad()`` on one submodule clears one of the two only. If the representative was cleared and the
+sentinel kept its gradient, the hooks move to the sentinel; if the representative accumulated and the
+sentinel's gradient was set to None or replaced, ``zero_grad_missing`` waits one check. Either way every
+parameter's gradient (reference, version) is kept once, and the next check names the parameters that
+accumulated (``"kept_params"``) and those cleared (``"cleared_params"``). Partial clearing in place
+(``zero_grad(set_to_none=False)`` on the part the representative is not in) is not told apart: a version
+bump of the sentinel may as well be one more backward pass.
+
 ``grads_cleared_before_step``: backward passes reached the representative since the previous check, but
 at step time the optimizer has no gradient at all, or every gradient is zero after an in-place change
 that came after the last backward (``zero_grad(set_to_none=False)`` called between ``backward()`` and
@@ -139,6 +149,17 @@ class _Tracker:
         # The engine's optimizer step count, and its value at the latest accumulation.
         self.steps: Any = None
         self.accumulated_at = -1
+        # A second parameter with no hooks, from another part of the model than the representative (the
+        # least shared module path), and its gradient at the previous check: zero_grad() called on one
+        # submodule (enc.zero_grad() where one optimizer trains enc and dec) clears one of the two only.
+        self.sentinel: torch.Tensor | None = None
+        self.sentinel_name = ""
+        self.sentinel_ref: weakref.ref[torch.Tensor] | None = None
+        self.sentinel_version = 0
+        self.swap_after = 0  # no swap of representative and sentinel before this step
+        # Taken only once the two disagreed: every parameter's gradient (name, parameter, reference,
+        # version), to name at the next check the parameters that accumulated.
+        self.snapshot: list[tuple[str, torch.Tensor, weakref.ref[torch.Tensor] | None, int]] | None = None
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
@@ -152,6 +173,9 @@ class _Tracker:
         self.kept_passes = 0
         self.old_nonzero = []
         self.post_nonzero = None
+        sg = self.sentinel.grad if self.sentinel is not None else None
+        self.sentinel_ref = weakref.ref(sg) if sg is not None else None
+        self.sentinel_version = sg._version if sg is not None else 0
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
@@ -225,7 +249,9 @@ class _Tracker:
         try:
             g = param.grad
             sample = _sample(g) if g is not None else None
-            self.sample_of = (weakref.ref(g), g._version, g.data_ptr(), sample) if sample is not None else None
+            self.sample_of = (
+                (weakref.ref(g), g._version, g.data_ptr(), sample) if g is not None and sample is not None else None
+            )
         except Exception as exc:  # noqa: BLE001 - runs inside the user's backward
             internal_warning("zero_grad sample", exc)
 
@@ -266,6 +292,44 @@ class _Tracker:
         if hasattr(param, "register_post_accumulate_grad_hook"):
             self.handles.append(param.register_post_accumulate_grad_hook(self.after_accumulate))
 
+    def pick_sentinel(self, candidates: list[tuple[torch.Tensor, str]]) -> None:
+        """The candidate whose name shares the fewest leading module names with the representative's."""
+        self.sentinel, self.sentinel_name, self.sentinel_ref = None, "", None
+        if self.rep is None or self.model_param is not None:
+            return
+        parts = self.rep_name.split(".")
+
+        def shared(name: str) -> int:
+            k = 0
+            for a, b in zip(parts, name.split(".")):
+                if a != b:
+                    break
+                k += 1
+            return k
+
+        others = [c for c in candidates if c[0] is not self.rep]
+        if others:
+            self.sentinel, self.sentinel_name = min(others, key=lambda c: shared(c[1]))
+
+    def take_snapshot(self, params: list[torch.Tensor], names: list[str]) -> None:
+        self.snapshot = [
+            (n, p, weakref.ref(p.grad) if p.grad is not None else None, p.grad._version if p.grad is not None else 0)
+            for p, n in zip(params, names)
+        ]
+
+    def accumulated_names(self, rep_delta: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """From the snapshot: the parameters whose gradient is the same tensor, written no more often than
+        the representative's (which accumulated), and the others that hold a gradient (cleared since)."""
+        kept: list[str] = []
+        cleared: list[str] = []
+        for n, p, ref, version in self.snapshot or ():
+            g = p.grad
+            if g is None:
+                continue
+            (kept if ref is not None and g is ref() and g._version - version <= rep_delta else cleared).append(n)
+        self.snapshot = None
+        return tuple(kept), tuple(cleared)
+
     def unhook(self) -> None:
         for h in self.handles:
             h.remove()
@@ -305,6 +369,7 @@ class ZeroGradTracker:
                 t.hook(p, n)
                 if n in foreign and owned:  # no hooks: is the model's own gradient a new tensor each step?
                     t.model_param = min(owned, key=lambda c: c[0].numel())[0]
+                t.pick_sentinel(candidates)
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
@@ -321,6 +386,8 @@ class ZeroGradTracker:
             if not any(p is rep for p in op.params):
                 t.unhook()
                 rep = None
+            if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
+                t.sentinel = None
         g = rep.grad if rep is not None else None
         facts: dict[str, Any] = {
             "optimizer": i,
@@ -370,6 +437,7 @@ class ZeroGradTracker:
             mg = t.model_param.grad
             facts["model_grad_replaced"] = mg is None or t.model_ref is None or mg is not t.model_ref()
             t.model_ref = weakref.ref(mg) if mg is not None else None
+        swapped = self._sentinel(t, g, facts, stats.step)
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
         stats.extra["grads_cleared_before_step"] = cleared
@@ -377,7 +445,7 @@ class ZeroGradTracker:
         # backward reached it since the previous check (a rarely used gate or branch): then take the
         # parameter whose gradient was written most often (highest version), smallest first.
         unreached = t.accumulations == 0 and t.base_ref is not None and stats.step >= t.repick_after
-        if ctx.grads and (g is None or unreached):
+        if ctx.grads and (g is None or unreached) and not swapped:
             if unreached:  # an O(parameters) scan: at most once every REPICK_EVERY checks
                 t.repick_after = stats.step + REPICK_EVERY
             candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
@@ -388,8 +456,45 @@ class ZeroGradTracker:
                     p, n = min(candidates, key=lambda c: (-c[0].grad._version, c[0].numel()))
                 if p is not t.rep:
                     t.hook(p, n)
+                    t.pick_sentinel(candidates)
         t.reset()
         t.base_step = stats.step
+
+    def _sentinel(self, t: _Tracker, g: torch.Tensor | None, facts: dict[str, Any], step: int) -> bool:
+        """Compare the sentinel with the representative (O(1); O(parameters) once they disagree). Returns
+        True when the hooks moved to the sentinel."""
+        if t.snapshot is not None:
+            # The previous check found the two cleared differently: name what accumulated since.
+            rep_delta = (
+                g._version - t.base_version if g is not None and t.base_ref is not None and g is t.base_ref() else -1
+            )
+            kept, cleared = t.accumulated_names(rep_delta)
+            if rep_delta >= 0:  # the representative accumulated (it is among the kept)
+                facts["kept_params"], facts["cleared_params"] = kept, cleared
+        s = t.sentinel
+        if s is None or t.sentinel_ref is None or t.rep is None:
+            return False
+        sg = s.grad
+        if sg is None or sg is not t.sentinel_ref():
+            facts["sentinel_cleared"] = True  # set to None or replaced: zero_grad() reached it
+            return False
+        if sg.is_sparse or facts["state"] != FRESH or step < t.swap_after:
+            return False
+        delta = sg._version - t.sentinel_version
+        replaced = g is None or t.base_ref is None or g is not t.base_ref()
+        if not (replaced or 0 < delta <= t.accumulations):
+            return False  # both zeroed in place (a version bump each), or the sentinel never written
+        # The representative was cleared, the sentinel kept its gradient (not set to None by the same
+        # zero_grad(set_to_none=True), or not bumped by a zero_()): zero_grad() on the part of the model
+        # the representative is in. Move the hooks to the sentinel, whose value decides from the next
+        # check on, and keep every gradient to name the parameters that accumulated then.
+        t.swap_after = step + REPICK_EVERY
+        op = self.engine.index.per_optimizer[t.index]
+        t.take_snapshot(op.params, op.names)
+        old, old_name = t.rep, t.rep_name
+        t.hook(s, t.sentinel_name)
+        t.sentinel, t.sentinel_name = old, old_name
+        return True
 
     @staticmethod
     def _state(t: _Tracker, g: torch.Tensor | None) -> str:
@@ -417,6 +522,19 @@ class ZeroGradTracker:
             stats.extra["zero_grad_missing"] = not old_zero
         i = facts.get("optimizer")
         tracker = self.trackers[i] if isinstance(i, int) and i < len(self.trackers) else None
+        if (
+            stats.extra["zero_grad_missing"]
+            and facts.get("sentinel_cleared")
+            and "kept_params" not in facts
+            and tracker is not None
+            and tracker.snapshot is None
+        ):
+            # Accumulated, but the sentinel was cleared: zero_grad() on part of the model only. Which part
+            # shows at the next check (an O(parameters) snapshot, on this step only); the finding waits for
+            # it rather than naming parameters that were cleared.
+            op = self.engine.index.per_optimizer[tracker.index]
+            tracker.take_snapshot(op.params, op.names)
+            stats.extra["zero_grad_missing"] = False
         suspicious = bool(facts.get("changed_after_backward")) and bool(stats.names) and stats.total_norm == 0.0
         if _SLOT_NONZERO in ctx.slots:
             values = values if values is not None else ctx.batch.resolve()
@@ -434,6 +552,9 @@ class ZeroGradTracker:
             t.unhook()
             t.model_param = None
             t.model_ref = None
+            t.sentinel = None
+            t.sentinel_ref = None
+            t.snapshot = None
             t.base_ref = None
             t.post_ref = None
             t.old_nonzero = []

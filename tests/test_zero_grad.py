@@ -211,6 +211,38 @@ def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None
     assert set(found[0].params) == {"head.weight", "head.bias"}
 
 
+# One optimizer over an encoder and a decoder kept as two modules (seq2seq tutorials), only one of them
+# zeroed (tester report): the other part accumulates. Named once the next check shows which part it is
+# (one step later); found also when the evidence parameter sits in the part that was zeroed.
+@pytest.mark.parametrize(
+    "zeroed, set_to_none", [("enc", True), ("dec", True), ("dec", False), ("both", True), ("both", False)]
+)
+def test_zero_grad_on_one_of_the_models_an_optimizer_trains_names_the_other(zeroed: str, set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+    dec = nn.Linear(16, 1)  # holds the smallest parameter (dec.bias)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-2)
+    with gradwatch.watch(nn.ModuleDict({"enc": enc, "dec": dec}), opt, console=False) as gw:
+        for _ in range(6):
+            for part in (enc, dec):
+                if zeroed == "both" or part is {"enc": enc, "dec": dec}[zeroed]:
+                    part.zero_grad(set_to_none=set_to_none)
+            nn.functional.mse_loss(dec(enc(torch.randn(8, 6))), torch.randn(8, 1)).backward()
+            opt.step()
+    if zeroed == "both":
+        assert kinds(gw) == []
+        return
+    (f,) = gw.findings
+    other = "dec" if zeroed == "enc" else "enc"
+    assert (f.kind, f.step) == ("zero_grad_missing", 2)
+    assert f.params == tuple(n for n in ("enc.0.weight", "enc.0.bias", "dec.weight", "dec.bias") if n.startswith(other))
+    assert f"were cleared: zero_grad() was called on part of the model only ({zeroed}.zero_grad())" in f.message
+    assert (
+        f"Fix: call optimizer.zero_grad(), which clears every parameter optimizer 0 updates, instead of {zeroed}.zero_grad()"
+        in f.message
+    )
+
+
 def test_zero_grad_called_once_before_the_loop_is_flagged() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -93,6 +93,12 @@ def _missing(stats: StepStats) -> Finding:
     previous = facts.get("previous_step")
     previous = stats.step - 1 if not isinstance(previous, int) else previous
     with_optimizer = facts.get("has_optimizer", True)
+    # Named by the tracker when a parameter far from the evidence one was cleared: zero_grad() on a
+    # submodule (enc.zero_grad() while one optimizer trains enc and dec).
+    kept, gone = facts.get("kept_params") or (), facts.get("cleared_params") or ()
+    partial = not loss_side and bool(kept) and bool(gone)
+    if partial:
+        params = tuple(kept)
     who = f"optimizer {i} stepped" if with_optimizer else "the update was checked"
     clear = "optimizer.zero_grad() (or model.zero_grad())" if with_optimizer else "model.zero_grad()"
     wrong = f"called on another optimizer than optimizer {i}; " if with_optimizer else ""
@@ -106,13 +112,16 @@ def _missing(stats: StepStats) -> Finding:
             f"not cleared after the update of step {previous} "
             f"({passes} backward pass{'es' if passes != 1 else ''} since then added to them). "
             f"Parameters: {names_text(params)}.\n"
-            "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
+            + (_partial_text(kept, gone, i, with_optimizer) if partial else "")
+            + "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
             "effective step size grows with every step and points in stale directions; the loss stalls or "
             "diverges.\n"
             + (
                 "Fix: these parameters belong to the optimizer but not to the model (a loss's centers, a learned "
                 "temperature), so model.zero_grad() never clears them: call optimizer.zero_grad() instead."
                 if loss_side
+                else _partial_fix(kept, gone, i, with_optimizer)
+                if partial
                 else f"Fix: call {clear} once per step before loss.backward(). "
                 f"Usual causes: zero_grad never called; {wrong}or called "
                 "before a backward() that belongs to the previous step. To accumulate over several "
@@ -126,8 +135,38 @@ def _missing(stats: StepStats) -> Finding:
             "previous_step": previous,
             "evidence_param": facts.get("param"),
             "count": len(params),
+            **({"cleared_params": list(gone)} if partial else {}),
         },
     )
+
+
+def _module_of(names: tuple[str, ...], others: tuple[str, ...]) -> str | None:
+    """The shortest module path holding all of ``names`` and none of ``others`` (None if there is none)."""
+    parts = names[0].split(".")
+    for k in range(1, len(parts)):
+        prefix = ".".join(parts[:k]) + "."
+        if all(n.startswith(prefix) for n in names) and not any(n.startswith(prefix) for n in others):
+            return prefix[:-1]
+    return None
+
+
+def _partial_text(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_optimizer: bool) -> str:
+    part = _module_of(gone, kept)
+    where = f"those under {part}: " if part else ""
+    whose = f"optimizer {i} updates" if with_optimizer else "the update changes"
+    return (
+        f"The other parameters {whose} ({where}{names_text(gone)}) were cleared: zero_grad() was called "
+        f"on part of the model only{f' ({part}.zero_grad())' if part else ''}, not on every parameter.\n"
+    )
+
+
+def _partial_fix(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_optimizer: bool) -> str:
+    part, rest = _module_of(gone, kept), _module_of(kept, gone)
+    instead = f" instead of {part}.zero_grad()" if part else " instead of zero_grad() on one submodule"
+    also = f" (or call {rest}.zero_grad() too)" if rest else ""
+    if with_optimizer:
+        return f"Fix: call optimizer.zero_grad(), which clears every parameter optimizer {i} updates,{instead}{also}."
+    return f"Fix: call zero_grad() on the whole model{instead}{also}."
 
 
 def _cleared(stats: StepStats) -> Finding:
