@@ -15,7 +15,7 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
     from gradwatch.zero_grad import ZeroGradTracker
 
-    exts.append(ZeroGradTracker())
+    exts.append(ZeroGradTracker(integration=integration))
     from gradwatch.half_update import HalfUpdateGuard
 
     exts.append(HalfUpdateGuard())  # float16 parameters with an eps that rounds to 0 only

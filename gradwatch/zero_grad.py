@@ -5,7 +5,7 @@ optimization bypasses patched instances and never fires ``on_before_zero_grad``)
 representative parameter (the smallest trainable one, one the model does not own if the optimizer holds
 such; re-picked when it holds no gradient at a check while others do, or when no backward pass reached
 it since the previous check) carries two hooks, so the cost is two Python calls per backward pass,
-whatever the model's size:
+whatever the model's size (two more in a distributed run, see ``reread_after_backward``):
 
 - a tensor hook, which runs before the incoming gradient is accumulated, while ``p.grad`` still holds
   the old value: it sees whether the old gradient was set to None, replaced, or modified in place
@@ -23,6 +23,16 @@ reference: a freed gradient's ``id()`` is reused at once):
   with the step's one sync. All zeros: fresh. Otherwise the step's gradient holds the previous step's:
   ``stats.extra["zero_grad_missing"] = True``.
 
+A second parameter per optimizer, the *sentinel*, carries no hook: from another part of the model (the
+least shared module path), only its gradient's identity and version are compared at each check (O(1)).
+``zero_grad()`` on one submodule clears one of the two only. If the representative was cleared and the
+sentinel kept its gradient, the hooks move to the sentinel; if the representative accumulated and the
+sentinel's gradient was set to None or replaced, ``zero_grad_missing`` waits one check. Either way every
+parameter's gradient (reference, version) is kept once, and the next check names the parameters that
+accumulated (``"kept_params"``) and those cleared (``"cleared_params"``). Partial clearing in place
+(``zero_grad(set_to_none=False)`` on the part the representative is not in) is not told apart: a version
+bump of the sentinel may as well be one more backward pass.
+
 ``grads_cleared_before_step``: backward passes reached the representative since the previous check, but
 at step time the optimizer has no gradient at all, or every gradient is zero after an in-place change
 that came after the last backward (``zero_grad(set_to_none=False)`` called between ``backward()`` and
@@ -32,9 +42,13 @@ per backward until a step no longer does, so such a finding comes one step later
 
 ``zero_grad_in_accumulation`` needs the step's gradient to be the last backward pass's. Clipping or
 unscaling it in place after that pass keeps it so; writing other values into it (``p.grad.copy_(summed)``
-in a DP-SGD loop written by hand) does not. Once a step had 3+ backward passes each clearing the one before,
+in a DP-SGD loop written by hand) does not. The tensor hook counts the passes since the gradient was last
+found cleared between two passes (``kept_passes``): 1 means the step holds its last pass only, whether each
+pass cleared the one before or one ``zero_grad`` right before the last discarded the accumulated ones
+(Accelerate's ``accumulate()`` with ``zero_grad()`` at its top). Once a step had 3+ backward passes ending so,
 one parameter with at least 16 elements gets a third hook (until a step no longer has them), which keeps a
-16-element strided sample of its gradient after each backward pass; a step whose gradient changed in place
+16-element strided sample of its gradient after each backward pass (taken again at the end of the backward
+call, after DDP's reducer wrote the averaged gradient into ``.grad``); a step whose gradient changed in place
 after its last pass queues one lazy flag: is it still a multiple of that sample?
 
 With one optimizer the same two hooks also tell the engine which observed losses belong to the
@@ -43,7 +57,8 @@ with no optimizer step in between: a batch the training code skipped, or one a G
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, state, the step of the previous check), ``"zero_grad_missing"``,
+backward passes counted, kept passes, state, the step of the previous check, whether Lightning's
+automatic optimization clears the gradients), ``"zero_grad_missing"``,
 ``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
 in ``"zero_grad"`` turns False after the sync when the gradient was rewritten after the last pass.
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
@@ -107,6 +122,9 @@ class _Tracker:
         # Since the baseline.
         self.accumulations = 0
         self.cleared = False  # set to None, replaced, or zeroed with a version bump
+        # Backward passes since the gradient was last found cleared between two passes (or since the
+        # baseline): the passes the step's gradient still holds.
+        self.kept_passes = 0
         self.old_nonzero: list[torch.Tensor] = []  # lazy, per backward: the old gradient held a non-zero
         # After the most recent accumulation.
         self.post_ref: weakref.ref[torch.Tensor] | None = None
@@ -124,9 +142,24 @@ class _Tracker:
         self.on_backward: Any = None
         self.on_cleared: Any = None
         self.repick_after = 0  # no re-pick for an unreached representative before this step
+        # Distributed runs: DDP's reducer writes the all-reduced gradient into .grad (or swaps its bucket
+        # view in) at the end of each synced backward, after the post-accumulate hook: that is the pass's
+        # gradient, so it is read again then.
+        self.reread_after_backward = False
         # The engine's optimizer step count, and its value at the latest accumulation.
         self.steps: Any = None
         self.accumulated_at = -1
+        # A second parameter with no hooks, from another part of the model than the representative (the
+        # least shared module path), and its gradient at the previous check: zero_grad() called on one
+        # submodule (enc.zero_grad() where one optimizer trains enc and dec) clears one of the two only.
+        self.sentinel: torch.Tensor | None = None
+        self.sentinel_name = ""
+        self.sentinel_ref: weakref.ref[torch.Tensor] | None = None
+        self.sentinel_version = 0
+        self.swap_after = 0  # no swap of representative and sentinel before this step
+        # Taken only once the two disagreed: every parameter's gradient (name, parameter, reference,
+        # version), to name at the next check the parameters that accumulated.
+        self.snapshot: list[tuple[str, torch.Tensor, weakref.ref[torch.Tensor] | None, int]] | None = None
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
@@ -137,16 +170,22 @@ class _Tracker:
         self.base_version = g._version if g is not None else 0
         self.accumulations = 0
         self.cleared = False
+        self.kept_passes = 0
         self.old_nonzero = []
         self.post_nonzero = None
+        sg = self.sentinel.grad if self.sentinel is not None else None
+        self.sentinel_ref = weakref.ref(sg) if sg is not None else None
+        self.sentinel_version = sg._version if sg is not None else 0
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
         try:
-            if self.on_cleared is not None and self.post_ref is not None:
+            if self.post_ref is not None:
                 g = self.rep.grad if self.rep is not None else None
                 if g is None or g is not self.post_ref() or g._version != self.post_version:
-                    self.on_cleared()
+                    self.kept_passes = 0  # what the earlier passes accumulated is gone
+                    if self.on_cleared is not None:
+                        self.on_cleared()
             if self.base_ref is None or self.cleared or self.rep is None:
                 return
             g = self.rep.grad
@@ -170,12 +209,16 @@ class _Tracker:
             if g is None:
                 return
             self.accumulations += 1
+            self.kept_passes += 1
             self.accumulated_at = self.steps() if self.steps is not None else -1
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
             self.post_ptr = g.data_ptr() if not g.is_sparse else 0
             if self.on_backward is not None:
                 self.on_backward()
+            if self.reread_after_backward:
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(lambda: self.reread(param)))  # runs after every callback queued before
             if self.watch_after_backward and not g.is_sparse:
                 self.post_nonzero = g.any()
             else:
@@ -183,13 +226,34 @@ class _Tracker:
         except Exception as exc:  # noqa: BLE001
             internal_warning("zero_grad accumulate hook", exc)
 
+    def reread(self, param: torch.Tensor) -> None:
+        try:
+            g = param.grad
+            if g is not None and param is self.rep:
+                self.post_ref = weakref.ref(g)
+                self.post_version = g._version
+                self.post_ptr = g.data_ptr() if not g.is_sparse else 0
+        except Exception as exc:  # noqa: BLE001 - runs inside the user's backward
+            internal_warning("zero_grad end of backward", exc)
+
     def after_sampled_accumulate(self, param: torch.Tensor) -> None:
+        try:
+            self.take_sample(param)
+            if self.reread_after_backward:  # after DDP's reducer wrote this pass's all-reduced gradient
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(lambda: self.take_sample(param)))
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("zero_grad sample hook", exc)
+
+    def take_sample(self, param: torch.Tensor) -> None:
         try:
             g = param.grad
             sample = _sample(g) if g is not None else None
-            self.sample_of = (weakref.ref(g), g._version, g.data_ptr(), sample) if sample is not None else None
-        except Exception as exc:  # noqa: BLE001
-            internal_warning("zero_grad sample hook", exc)
+            self.sample_of = (
+                (weakref.ref(g), g._version, g.data_ptr(), sample) if g is not None and sample is not None else None
+            )
+        except Exception as exc:  # noqa: BLE001 - runs inside the user's backward
+            internal_warning("zero_grad sample", exc)
 
     def arm_sampling(self, armed: bool, params: list[torch.Tensor]) -> None:
         if not armed:
@@ -228,6 +292,44 @@ class _Tracker:
         if hasattr(param, "register_post_accumulate_grad_hook"):
             self.handles.append(param.register_post_accumulate_grad_hook(self.after_accumulate))
 
+    def pick_sentinel(self, candidates: list[tuple[torch.Tensor, str]]) -> None:
+        """The candidate whose name shares the fewest leading module names with the representative's."""
+        self.sentinel, self.sentinel_name, self.sentinel_ref = None, "", None
+        if self.rep is None or self.model_param is not None:
+            return
+        parts = self.rep_name.split(".")
+
+        def shared(name: str) -> int:
+            k = 0
+            for a, b in zip(parts, name.split(".")):
+                if a != b:
+                    break
+                k += 1
+            return k
+
+        others = [c for c in candidates if c[0] is not self.rep]
+        if others:
+            self.sentinel, self.sentinel_name = min(others, key=lambda c: shared(c[1]))
+
+    def take_snapshot(self, params: list[torch.Tensor], names: list[str]) -> None:
+        self.snapshot = [
+            (n, p, weakref.ref(p.grad) if p.grad is not None else None, p.grad._version if p.grad is not None else 0)
+            for p, n in zip(params, names)
+        ]
+
+    def accumulated_names(self, rep_delta: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """From the snapshot: the parameters whose gradient is the same tensor, written no more often than
+        the representative's (which accumulated), and the others that hold a gradient (cleared since)."""
+        kept: list[str] = []
+        cleared: list[str] = []
+        for n, p, ref, version in self.snapshot or ():
+            g = p.grad
+            if g is None:
+                continue
+            (kept if ref is not None and g is ref() and g._version - version <= rep_delta else cleared).append(n)
+        self.snapshot = None
+        return tuple(kept), tuple(cleared)
+
     def unhook(self) -> None:
         for h in self.handles:
             h.remove()
@@ -239,15 +341,20 @@ class _Tracker:
 class ZeroGradTracker:
     """Engine extension: is each step's gradient this step's only? See the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, integration: str = "plain") -> None:
         self.engine: Any = None
         self.trackers: list[_Tracker] = []
+        self.integration = integration  # "lightning": the fix texts differ in automatic optimization
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
+        from gradwatch.distributed import is_distributed
+
+        distributed = is_distributed()
         for op in engine.index.per_optimizer:
             t = _Tracker(op.index)
             t.steps = lambda: sum(engine.step_counts)
+            t.reread_after_backward = distributed
             self.trackers.append(t)
             candidates = [
                 (p, n) for p, n in zip(op.params, op.names) if p.requires_grad and p.is_leaf and not is_lazy(p)
@@ -262,6 +369,7 @@ class ZeroGradTracker:
                 t.hook(p, n)
                 if n in foreign and owned:  # no hooks: is the model's own gradient a new tensor each step?
                     t.model_param = min(owned, key=lambda c: c[0].numel())[0]
+                t.pick_sentinel(candidates)
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
@@ -278,14 +386,20 @@ class ZeroGradTracker:
             if not any(p is rep for p in op.params):
                 t.unhook()
                 rep = None
+            if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
+                t.sentinel = None
         g = rep.grad if rep is not None else None
         facts: dict[str, Any] = {
             "optimizer": i,
             "param": t.rep_name if rep is not None else None,
             "backward_passes": t.accumulations,
+            "kept_passes": t.kept_passes,
             "state": self._state(t, g),
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
+            # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
+            "lightning_automatic": self.integration == "lightning"
+            and bool(getattr(self.engine.model, "automatic_optimization", True)),
             # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
             "last_backward_grad": g is not None
             and t.post_ref is not None
@@ -316,13 +430,14 @@ class ZeroGradTracker:
             elif isinstance(rewritten, torch.Tensor):
                 ctx.slots[_SLOT_REWRITTEN] = ctx.batch.add(rewritten)
         passes = stats.extra.get("backward_passes")
-        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] == passes[0] - 1
+        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] > 0 and t.kept_passes == 1
         t.arm_sampling(armed, ctx.params)
         t.sample_of = None
         if t.model_param is not None:
             mg = t.model_param.grad
             facts["model_grad_replaced"] = mg is None or t.model_ref is None or mg is not t.model_ref()
             t.model_ref = weakref.ref(mg) if mg is not None else None
+        swapped = self._sentinel(t, g, facts, stats.step)
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
         stats.extra["grads_cleared_before_step"] = cleared
@@ -330,7 +445,7 @@ class ZeroGradTracker:
         # backward reached it since the previous check (a rarely used gate or branch): then take the
         # parameter whose gradient was written most often (highest version), smallest first.
         unreached = t.accumulations == 0 and t.base_ref is not None and stats.step >= t.repick_after
-        if ctx.grads and (g is None or unreached):
+        if ctx.grads and (g is None or unreached) and not swapped:
             if unreached:  # an O(parameters) scan: at most once every REPICK_EVERY checks
                 t.repick_after = stats.step + REPICK_EVERY
             candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
@@ -341,8 +456,45 @@ class ZeroGradTracker:
                     p, n = min(candidates, key=lambda c: (-c[0].grad._version, c[0].numel()))
                 if p is not t.rep:
                     t.hook(p, n)
+                    t.pick_sentinel(candidates)
         t.reset()
         t.base_step = stats.step
+
+    def _sentinel(self, t: _Tracker, g: torch.Tensor | None, facts: dict[str, Any], step: int) -> bool:
+        """Compare the sentinel with the representative (O(1); O(parameters) once they disagree). Returns
+        True when the hooks moved to the sentinel."""
+        if t.snapshot is not None:
+            # The previous check found the two cleared differently: name what accumulated since.
+            rep_delta = (
+                g._version - t.base_version if g is not None and t.base_ref is not None and g is t.base_ref() else -1
+            )
+            kept, cleared = t.accumulated_names(rep_delta)
+            if rep_delta >= 0:  # the representative accumulated (it is among the kept)
+                facts["kept_params"], facts["cleared_params"] = kept, cleared
+        s = t.sentinel
+        if s is None or t.sentinel_ref is None or t.rep is None:
+            return False
+        sg = s.grad
+        if sg is None or sg is not t.sentinel_ref():
+            facts["sentinel_cleared"] = True  # set to None or replaced: zero_grad() reached it
+            return False
+        if sg.is_sparse or facts["state"] != FRESH or step < t.swap_after:
+            return False
+        delta = sg._version - t.sentinel_version
+        replaced = g is None or t.base_ref is None or g is not t.base_ref()
+        if not (replaced or 0 < delta <= t.accumulations):
+            return False  # both zeroed in place (a version bump each), or the sentinel never written
+        # The representative was cleared, the sentinel kept its gradient (not set to None by the same
+        # zero_grad(set_to_none=True), or not bumped by a zero_()): zero_grad() on the part of the model
+        # the representative is in. Move the hooks to the sentinel, whose value decides from the next
+        # check on, and keep every gradient to name the parameters that accumulated then.
+        t.swap_after = step + REPICK_EVERY
+        op = self.engine.index.per_optimizer[t.index]
+        t.take_snapshot(op.params, op.names)
+        old, old_name = t.rep, t.rep_name
+        t.hook(s, t.sentinel_name)
+        t.sentinel, t.sentinel_name = old, old_name
+        return True
 
     @staticmethod
     def _state(t: _Tracker, g: torch.Tensor | None) -> str:
@@ -370,6 +522,19 @@ class ZeroGradTracker:
             stats.extra["zero_grad_missing"] = not old_zero
         i = facts.get("optimizer")
         tracker = self.trackers[i] if isinstance(i, int) and i < len(self.trackers) else None
+        if (
+            stats.extra["zero_grad_missing"]
+            and facts.get("sentinel_cleared")
+            and "kept_params" not in facts
+            and tracker is not None
+            and tracker.snapshot is None
+        ):
+            # Accumulated, but the sentinel was cleared: zero_grad() on part of the model only. Which part
+            # shows at the next check (an O(parameters) snapshot, on this step only); the finding waits for
+            # it rather than naming parameters that were cleared.
+            op = self.engine.index.per_optimizer[tracker.index]
+            tracker.take_snapshot(op.params, op.names)
+            stats.extra["zero_grad_missing"] = False
         suspicious = bool(facts.get("changed_after_backward")) and bool(stats.names) and stats.total_norm == 0.0
         if _SLOT_NONZERO in ctx.slots:
             values = values if values is not None else ctx.batch.resolve()
@@ -387,6 +552,9 @@ class ZeroGradTracker:
             t.unhook()
             t.model_param = None
             t.model_ref = None
+            t.sentinel = None
+            t.sentinel_ref = None
+            t.snapshot = None
             t.base_ref = None
             t.post_ref = None
             t.old_nonzero = []

@@ -458,6 +458,29 @@ def independent(rank: int, same_seed: bool = False) -> dict[str, Any]:
     return {"skipped": gw.engine.steps_skipped, "metric": metric.item(), "findings": [f.to_dict() for f in gw.findings]}
 
 
+def ddp_accumulation(rank: int, bug: bool, no_sync: bool = True, bucket_view: bool = False) -> dict[str, Any]:
+    """4 micro-batches per update, each rank its own data; ``bug``: zero_grad() in every micro-batch.
+    ``no_sync``: the first 3 backward passes under model.no_sync(), otherwise every pass all-reduces."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net(), gradient_as_bucket_view=bucket_view)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for _ in range(4):
+            for m in range(4):
+                x = torch.randn(8, 4, generator=g)
+                if bug:
+                    opt.zero_grad()
+                with model.no_sync() if no_sync and m < 3 else contextlib.nullcontext():
+                    (model(x).pow(2).mean() / 4).backward()
+            opt.step()
+            if not bug:
+                opt.zero_grad()
+    return {"findings": [f.to_dict() for f in gw.findings]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -474,6 +497,10 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_nan_scaler": lambda r: ddp_nan(r, scaler=True),
     "ddp_nan_scaler_fused": lambda r: ddp_nan(r, scaler=True, fused=True),
     "ddp_guarded_step": lambda r: ddp_nan(r, guard=True),
+    "ddp_zero_grad_in_accumulation": lambda r: ddp_accumulation(r, bug=True),
+    "ddp_zero_grad_in_accumulation_synced": lambda r: ddp_accumulation(r, bug=True, no_sync=False, bucket_view=True),
+    "ddp_accumulation": lambda r: ddp_accumulation(r, bug=False),
+    "ddp_accumulation_synced": lambda r: ddp_accumulation(r, bug=False, no_sync=False, bucket_view=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
     "fsdp1": lambda r: fsdp1(r, nan=False, orig=False),

@@ -139,6 +139,24 @@ def test_ddp_nan_is_skipped_on_both_ranks_and_names_both(runs: list[dict[str, An
     assert ("nonfinite_loss", 3) in kinds(r1) and ("nonfinite_loss", 3) not in kinds(r0)
 
 
+# zero_grad() inside a 4-micro-batch accumulation loop under DDP (tester report r6): DDP's reducer writes the
+# averaged gradient into .grad at the end of the last backward; that write was taken for the code's own.
+@pytest.mark.parametrize(
+    "name, found",
+    [
+        ("ddp_zero_grad_in_accumulation", [("zero_grad_in_accumulation", 1)]),
+        ("ddp_zero_grad_in_accumulation_synced", [("zero_grad_in_accumulation", 1)]),
+        ("ddp_accumulation", []),
+        ("ddp_accumulation_synced", []),
+    ],
+)
+def test_zero_grad_inside_ddp_accumulation_is_flagged_on_both_ranks(
+    runs: list[dict[str, Any]], name: str, found: list[tuple[str, int]]
+) -> None:
+    r0, r1 = scenario(runs, name)
+    assert kinds(r0) == kinds(r1) == found
+
+
 @pytest.mark.parametrize("which", ["ddp_unused_wrapped", "ddp_unused_inner"])
 def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[str, Any]], which: str) -> None:
     r0, r1 = scenario(runs, which)

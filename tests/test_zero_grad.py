@@ -211,6 +211,38 @@ def test_zero_grad_on_the_wrong_optimizer_is_flagged_for_the_other_one() -> None
     assert set(found[0].params) == {"head.weight", "head.bias"}
 
 
+# One optimizer over an encoder and a decoder kept as two modules (seq2seq tutorials), only one of them
+# zeroed (tester report): the other part accumulates. Named once the next check shows which part it is
+# (one step later); found also when the evidence parameter sits in the part that was zeroed.
+@pytest.mark.parametrize(
+    "zeroed, set_to_none", [("enc", True), ("dec", True), ("dec", False), ("both", True), ("both", False)]
+)
+def test_zero_grad_on_one_of_the_models_an_optimizer_trains_names_the_other(zeroed: str, set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+    dec = nn.Linear(16, 1)  # holds the smallest parameter (dec.bias)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-2)
+    with gradwatch.watch(nn.ModuleDict({"enc": enc, "dec": dec}), opt, console=False) as gw:
+        for _ in range(6):
+            for part in (enc, dec):
+                if zeroed == "both" or part is {"enc": enc, "dec": dec}[zeroed]:
+                    part.zero_grad(set_to_none=set_to_none)
+            nn.functional.mse_loss(dec(enc(torch.randn(8, 6))), torch.randn(8, 1)).backward()
+            opt.step()
+    if zeroed == "both":
+        assert kinds(gw) == []
+        return
+    (f,) = gw.findings
+    other = "dec" if zeroed == "enc" else "enc"
+    assert (f.kind, f.step) == ("zero_grad_missing", 2)
+    assert f.params == tuple(n for n in ("enc.0.weight", "enc.0.bias", "dec.weight", "dec.bias") if n.startswith(other))
+    assert f"were cleared: zero_grad() was called on part of the model only ({zeroed}.zero_grad())" in f.message
+    assert (
+        f"Fix: call optimizer.zero_grad(), which clears every parameter optimizer 0 updates, instead of {zeroed}.zero_grad()"
+        in f.message
+    )
+
+
 def test_zero_grad_called_once_before_the_loop_is_flagged() -> None:
     torch.manual_seed(0)
     model = Net()
@@ -363,6 +395,49 @@ def test_zero_grad_inside_the_accumulation_loop_is_flagged(where: str) -> None:
     assert "last of its 4 backward passes" in found[0].message
     assert "right after optimizer.step()" in found[0].message
     assert kinds(gw) == [("zero_grad_in_accumulation", 1)]
+
+
+# HF Accelerate (huggingface/accelerate#1299): optimizer.zero_grad() at the top of `with
+# accelerator.accumulate(model):`. The prepared optimizer clears (and steps) only on the syncing micro-batch,
+# so the 3 micro-batches accumulated before it are cleared right before its backward pass, every update.
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_before_the_stepping_micro_batch_is_flagged(set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(16)):
+            sync = i % 4 == 3  # accelerator.sync_gradients
+            if sync:  # AcceleratedOptimizer.zero_grad() is a no-op on the other micro-batches
+                opt.zero_grad(set_to_none=set_to_none)
+            (model(x).pow(2).mean() / 4).backward()
+            if sync:
+                opt.step()
+    found = [f for f in gw.findings if f.kind == "zero_grad_in_accumulation"]
+    assert [(f.step, f.severity) for f in found] == [(1, "warning")]
+    text = found[0].message
+    assert "last of its 4 backward passes" in text and "the 3 passes before it had accumulated" in text
+    assert "after optimizer.step()" in text and "accelerator.accumulate" in text
+    assert kinds(gw) == [("zero_grad_in_accumulation", 1)]
+
+
+def test_an_accumulation_window_cleared_once_by_a_skipped_batch_is_silent() -> None:
+    # `if not torch.isfinite(loss): opt.zero_grad(); continue` once: that window loses its first
+    # micro-batches, the others are whole.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(20)):
+            loss = model(x).pow(2).mean() / 4
+            if i in (6, 10):  # a bad micro-batch in two windows running (the NaN check stands for it)
+                opt.zero_grad()
+                continue
+            loss.backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    assert kinds(gw) == []
 
 
 def test_two_cleared_backward_passes_per_step_are_silent() -> None:
@@ -619,3 +694,58 @@ def test_fresh_gradients_add_no_device_value_to_the_step(set_to_none: bool) -> N
             assert tracker.trackers[0].old_nonzero == []
             assert tracker.trackers[0].post_nonzero is None
     assert kinds(gw) == []
+
+
+# Porting a plain loop to Lightning (tester report): self.optimizers().zero_grad() left at the top of
+# training_step under Trainer(accumulate_grad_batches=4). Lightning steps and clears itself, so the fix is
+# to delete the call, not to move it after an optimizer.step() the module never calls.
+@pytest.mark.parametrize("where", ["training_step", "on_after_backward", "manual"])
+def test_zero_grad_of_a_lightning_module_names_the_lightning_fix(where: str) -> None:
+    from conftest import lightning_namespace, tiny_data, tiny_trainer
+
+    pl = lightning_namespace("lightning.pytorch")
+    from gradwatch.lightning import GradWatchCallback
+
+    class Module(pl.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.automatic_optimization = where != "manual"
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor | None:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if where == "on_after_backward":
+                return loss
+            opt = self.optimizers()
+            opt.zero_grad()  # the bug: every batch
+            if where == "training_step":
+                return loss
+            self.manual_backward(loss / 4)
+            if i % 4 == 3:
+                opt.step()
+            return None
+
+        def on_after_backward(self) -> None:
+            if where == "on_after_backward":
+                self.optimizers().zero_grad()  # the bug: between backward and Lightning's step
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = GradWatchCallback(console=False)
+    accumulate = 4 if where == "training_step" else 1
+    trainer = tiny_trainer(pl, [cb], max_steps=-1, max_epochs=1, accumulate_grad_batches=accumulate)
+    trainer.fit(Module(), tiny_data())
+    (f,) = cb.findings
+    if where == "on_after_backward":
+        assert f.kind == "grads_cleared_before_step"
+    else:
+        assert (f.kind, f.step) == ("zero_grad_in_accumulation", 1)
+    fix = f.message.split("Fix: ")[1]
+    if where == "manual":  # the module steps itself: the plain-loop fix holds
+        assert "right after optimizer.step()" in fix
+    else:
+        assert fix.startswith("delete that zero_grad() call") and "Lightning clears the gradients itself" in fix
+        assert "optimizer.step()" not in fix

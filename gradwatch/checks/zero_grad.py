@@ -50,23 +50,31 @@ IN_LOOP_MIN_PASSES = 3
 
 
 def _cleared_in_loop(stats: StepStats) -> bool:
-    """Micro-batches whose gradients were each cleared before the next: as many forward calls (or
-    Lightning batches) as backward passes, all of one batch size, none with an input that requires grad.
+    """Micro-batches cleared before the last one: the step's gradient holds its last backward pass only.
+    Either each pass cleared the one before (zero_grad() in every micro-batch), or the passes accumulated
+    and were cleared once, right before the last (zero_grad() at the top of ``with
+    accelerator.accumulate(model):``, which Accelerate runs on the syncing micro-batch only). As many
+    forward calls (or Lightning batches) as backward passes, all of one batch size, none with an input
+    that requires grad.
 
     Not: one forward with a backward per loss term (logging each term's gradient, PCGrad), the attack
     iterations of adversarial training (the input requires grad), per-sample passes next to the batch's
     own (Fisher estimates: other sizes), or gradients the code assembled itself (DP-SGD by hand).
     """
     passes = stats.extra.get("backward_passes")
-    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] == passes[0] - 1):
+    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] > 0):
         return False
     facts = stats.extra.get("zero_grad") or {}
     inputs = stats.extra.get("step_inputs")
     return (
-        bool(facts.get("last_backward_grad"))
+        facts.get("kept_passes") == 1
+        and bool(facts.get("last_backward_grad"))
         and bool(stats.names)
         and isinstance(inputs, tuple)
-        and inputs[0] >= passes[0]
+        # Cleared once before the last pass: also a batch skipped by the code (`if not isfinite(loss):
+        # zero_grad(); continue`) in a window, which ran a forward with no backward pass. So all forwards
+        # had one.
+        and (inputs[0] >= passes[0] if passes[1] == passes[0] - 1 else inputs[0] == passes[0])
         and not inputs[1]
         and len(inputs[2]) == 1
     )
@@ -85,6 +93,12 @@ def _missing(stats: StepStats) -> Finding:
     previous = facts.get("previous_step")
     previous = stats.step - 1 if not isinstance(previous, int) else previous
     with_optimizer = facts.get("has_optimizer", True)
+    # Named by the tracker when a parameter far from the evidence one was cleared: zero_grad() on a
+    # submodule (enc.zero_grad() while one optimizer trains enc and dec).
+    kept, gone = facts.get("kept_params") or (), facts.get("cleared_params") or ()
+    partial = not loss_side and bool(kept) and bool(gone)
+    if partial:
+        params = tuple(kept)
     who = f"optimizer {i} stepped" if with_optimizer else "the update was checked"
     clear = "optimizer.zero_grad() (or model.zero_grad())" if with_optimizer else "model.zero_grad()"
     wrong = f"called on another optimizer than optimizer {i}; " if with_optimizer else ""
@@ -98,13 +112,16 @@ def _missing(stats: StepStats) -> Finding:
             f"not cleared after the update of step {previous} "
             f"({passes} backward pass{'es' if passes != 1 else ''} since then added to them). "
             f"Parameters: {names_text(params)}.\n"
-            "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
+            + (_partial_text(kept, gone, i, with_optimizer) if partial else "")
+            + "Why it matters: each update applies the sum of all past gradients instead of this step's, so the "
             "effective step size grows with every step and points in stale directions; the loss stalls or "
             "diverges.\n"
             + (
                 "Fix: these parameters belong to the optimizer but not to the model (a loss's centers, a learned "
                 "temperature), so model.zero_grad() never clears them: call optimizer.zero_grad() instead."
                 if loss_side
+                else _partial_fix(kept, gone, i, with_optimizer)
+                if partial
                 else f"Fix: call {clear} once per step before loss.backward(). "
                 f"Usual causes: zero_grad never called; {wrong}or called "
                 "before a backward() that belongs to the previous step. To accumulate over several "
@@ -118,8 +135,38 @@ def _missing(stats: StepStats) -> Finding:
             "previous_step": previous,
             "evidence_param": facts.get("param"),
             "count": len(params),
+            **({"cleared_params": list(gone)} if partial else {}),
         },
     )
+
+
+def _module_of(names: tuple[str, ...], others: tuple[str, ...]) -> str | None:
+    """The shortest module path holding all of ``names`` and none of ``others`` (None if there is none)."""
+    parts = names[0].split(".")
+    for k in range(1, len(parts)):
+        prefix = ".".join(parts[:k]) + "."
+        if all(n.startswith(prefix) for n in names) and not any(n.startswith(prefix) for n in others):
+            return prefix[:-1]
+    return None
+
+
+def _partial_text(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_optimizer: bool) -> str:
+    part = _module_of(gone, kept)
+    where = f"those under {part}: " if part else ""
+    whose = f"optimizer {i} updates" if with_optimizer else "the update changes"
+    return (
+        f"The other parameters {whose} ({where}{names_text(gone)}) were cleared: zero_grad() was called "
+        f"on part of the model only{f' ({part}.zero_grad())' if part else ''}, not on every parameter.\n"
+    )
+
+
+def _partial_fix(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_optimizer: bool) -> str:
+    part, rest = _module_of(gone, kept), _module_of(kept, gone)
+    instead = f" instead of {part}.zero_grad()" if part else " instead of zero_grad() on one submodule"
+    also = f" (or call {rest}.zero_grad() too)" if rest else ""
+    if with_optimizer:
+        return f"Fix: call optimizer.zero_grad(), which clears every parameter optimizer {i} updates,{instead}{also}."
+    return f"Fix: call zero_grad() on the whole model{instead}{also}."
 
 
 def _cleared(stats: StepStats) -> Finding:
@@ -128,6 +175,17 @@ def _cleared(stats: StepStats) -> Finding:
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
     what = "all zero" if stats.names else "None"
+    if facts.get("lightning_automatic"):
+        fix = (
+            "Fix: delete that zero_grad() call (from on_after_backward, on_before_optimizer_step or the "
+            "training_step after manual_backward): in automatic optimization Lightning clears the gradients "
+            "itself, after each optimizer step."
+        )
+    else:
+        fix = (
+            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
+            "the gradients right after step())."
+        )
     return Finding(
         kind="grads_cleared_before_step",
         step=stats.step,
@@ -138,9 +196,7 @@ def _cleared(stats: StepStats) -> Finding:
             "zero_grad() was called between loss.backward() and optimizer.step(), or optimizer.step() comes "
             "before loss.backward() in the loop (zero_grad(); step(); backward()).\n"
             "Why it matters: the step applies no gradient (only weight decay and momentum move the weights); "
-            "the model does not learn from the data.\n"
-            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
-            "the gradients right after step())."
+            "the model does not learn from the data.\n" + fix
         ),
         params=params,
         data={"optimizer": i, "backward_passes": passes, "grads": what, "count": len(params)},
@@ -149,25 +205,58 @@ def _cleared(stats: StepStats) -> Finding:
 
 def _in_loop(stats: StepStats) -> Finding:
     i = stats.optimizer_index
-    n = int(stats.extra["backward_passes"][0])
+    n, clears = int(stats.extra["backward_passes"][0]), int(stats.extra["backward_passes"][1])
     facts = stats.extra.get("zero_grad") or {}
     previous = facts.get("previous_step")
     since = f"; the same happened at step {previous}" if isinstance(previous, int) else ""
+    if facts.get("lightning_automatic"):
+        # Lightning steps and clears on its own schedule (accumulate_grad_batches): the user never calls
+        # step(), so "after optimizer.step()" has no place to go; the call itself is the bug.
+        what = (
+            f"zero_grad() cleared what the earlier batches had accumulated{since}. Lightning accumulates the "
+            f"gradients of {n} batches here (accumulate_grad_batches) and clears them itself: a zero_grad() of "
+            "the module's own, in training_step or a hook that runs per batch, throws the earlier ones away."
+        )
+        fix = (
+            "Fix: delete that zero_grad() call (e.g. self.optimizers().zero_grad() in training_step): in "
+            "automatic optimization Lightning clears the gradients itself, once per accumulation window, "
+            "right after its optimizer step."
+        )
+    elif clears == n - 1:
+        what = (
+            f"before each of the other {n - 1}, zero_grad() cleared what the previous pass had accumulated{since}. "
+            "zero_grad() is called inside the gradient-accumulation loop."
+        )
+        fix = (
+            "Fix: call optimizer.zero_grad() once per accumulation window, right after optimizer.step(), not "
+            "in every micro-batch iteration."
+        )
+    else:
+        # The passes accumulated, then one zero_grad() right before the last pass threw them away: the
+        # clearing runs at the start of the micro-batch that steps (Accelerate's prepared optimizer
+        # clears only on the syncing micro-batch, so zero_grad() at the top of accumulate() does this).
+        what = (
+            f"right before it, zero_grad() cleared the gradients the {n - 1} passes before it had accumulated{since}. "
+            "zero_grad() runs at the start of the micro-batch that steps, before its backward pass: e.g. at the "
+            "top of `with accelerator.accumulate(model):`, where the prepared optimizer's zero_grad() acts on "
+            "the syncing micro-batch only."
+        )
+        fix = (
+            "Fix: call optimizer.zero_grad() after optimizer.step() (at the end of the accumulation block, as "
+            "Accelerate's examples do), not before the backward pass."
+        )
     return Finding(
         kind=_IN_LOOP,
         step=stats.step,
         severity="warning",
         message=(
             f"optimizer {i}.step() at step {stats.step} applied the gradient of the last of its {n} backward passes "
-            f"only: before each of the other {n - 1}, zero_grad() cleared what the previous pass had "
-            f"accumulated{since}. zero_grad() is called inside the gradient-accumulation loop.\n"
+            f"only: {what}\n"
             f"Why it matters: accumulation does nothing: each update sees one micro-batch instead of {n} (and "
             f"with the loss divided by {n} for accumulation, the update is also {n}x too small); {n - 1} of "
             f"every {n} micro-batches are computed and thrown away.\n"
-            "Fix: call optimizer.zero_grad() once per accumulation window, right after optimizer.step(), not "
-            "in every micro-batch iteration. (Backward passes kept apart on purpose, e.g. per-sample "
-            "gradients, can ignore this.)"
+            f"{fix} (Backward passes kept apart on purpose, e.g. per-sample gradients, can ignore this.)"
         ),
         params=tuple(stats.names),
-        data={"optimizer": i, "backward_passes": n, "count": len(stats.names)},
+        data={"optimizer": i, "backward_passes": n, "clears": clears, "count": len(stats.names)},
     )
