@@ -146,6 +146,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         # whether the latest one was non-finite].
         self._reevaluations: dict[int, list[Any]] = {}
         self._skip_pending: set[int] = set()  # checked "skip", update not yet suppressed
+        self._cleared_reported: set[tuple[int, int]] = set()  # (engine, optimizer): gradients cleared after the check
         self._fitted_with: Any = None  # weak reference to the Trainer of the latest fit
         self._automatic = True
 
@@ -385,6 +386,8 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             # an LBFGS re-evaluation the guard) and clipping; then the optimizer updates. A skipped step is
             # suppressed here; a guarded non-finite re-evaluation becomes a failed trial.
             loss = closure()
+            if self._automatic and index in self._checked:
+                self._cleared_after_check(index)
             self._suppress_if_skipped(index)
             seen = self._reevaluations.get(index)
             if seen is not None and seen[2] and self.engine is not None and self.engine.config.on_nonfinite == "skip":
@@ -393,6 +396,38 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             return loss
 
         return args, dict(kwargs, closure=gradwatch_closure)
+
+    def _cleared_after_check(self, index: int) -> None:
+        """The LightningModule's own ``on_before_optimizer_step`` (or ``configure_gradient_clipping``) runs
+        after the callbacks' (where gradwatch checked): gradients it sets to None are found here, before the
+        update. One attribute read per step; the full look only when the first gradient is gone."""
+        engine = self.engine
+        stats = engine.history.last.get(index) if engine is not None else None
+        params = stats.extra.get("params") if stats is not None else None
+        if not params or params[0].grad is not None or any(p.grad is not None for p in params):
+            return
+        if (id(engine), index) in self._cleared_reported:
+            return  # reported once per optimizer and run
+        self._cleared_reported.add((id(engine), index))
+        n = len(params)
+        engine.add_finding(
+            Finding(
+                kind="grads_cleared_before_step",
+                step=stats.step,
+                severity="error",
+                message=(
+                    f"optimizer {index}.step() at step {stats.step} found no gradient: all {n} gradients were set to "
+                    "None after backward and after gradwatch's check, by the LightningModule's own "
+                    "on_before_optimizer_step (or configure_gradient_clipping), which Lightning runs after the "
+                    "callbacks' hooks.\n"
+                    "Why it matters: the step applies no gradient; the model does not learn.\n"
+                    "Fix: remove optimizer.zero_grad() (or p.grad = None) from that hook: Lightning clears the "
+                    "gradients itself after each optimizer step."
+                ),
+                params=tuple(stats.names[:n]),
+                data={"optimizer": index, "after_check": True, "count": n},
+            )
+        )
 
     def _after_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._replaying():

@@ -129,6 +129,28 @@ def test_gradient_clipping_is_silent() -> None:
     assert fit(Automatic(), max_steps=4, gradient_clip_val=1e-3).findings == []
 
 
+class ClearsInItsHook(Automatic):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        optimizer.zero_grad()  # runs after the callbacks' on_before_optimizer_step
+
+
+def test_gradients_cleared_in_the_modules_on_before_optimizer_step_are_found() -> None:
+    # The module's hook runs after the callback's, where gradwatch checked: every update was empty and
+    # nothing was reported (the same call in on_after_backward was caught).
+    cb = fit(ClearsInItsHook())
+    assert zero_kinds(cb) == [("grads_cleared_before_step", 0)]
+    (f,) = [f for f in cb.findings if f.kind == "grads_cleared_before_step"]
+    assert "on_before_optimizer_step" in f.message and f.data["after_check"]
+
+
+def test_the_modules_own_clipping_in_its_hook_is_silent() -> None:
+    class Clips(Automatic):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+
+    assert zero_kinds(fit(Clips())) == []
+
+
 # -- autograd errors -------------------------------------------------------------------------------
 class Broken(Automatic):
     def __init__(self, bug: str) -> None:
