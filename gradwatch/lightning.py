@@ -385,9 +385,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             # Lightning's closure runs training_step, backward, on_before_optimizer_step (the check, and for
             # an LBFGS re-evaluation the guard) and clipping; then the optimizer updates. A skipped step is
             # suppressed here; a guarded non-finite re-evaluation becomes a failed trial.
+            checked_before = self.engine.steps_checked if self.engine is not None else 0
             loss = closure()
-            if self._automatic and index in self._checked:
-                self._cleared_after_check(index)
+            if self._automatic and self.engine is not None and self.engine.steps_checked > checked_before:
+                self._cleared_after_check(index)  # checked inside this closure (not a skipped training_step)
             self._suppress_if_skipped(index)
             seen = self._reevaluations.get(index)
             if seen is not None and seen[2] and self.engine is not None and self.engine.config.on_nonfinite == "skip":
