@@ -146,9 +146,12 @@ class _Tracker:
         # view in) at the end of each synced backward, after the post-accumulate hook: that is the pass's
         # gradient, so it is read again then.
         self.reread_after_backward = False
-        # The engine's optimizer step count, and its value at the latest accumulation.
+        # The engine's optimizer step count, and its value at the latest accumulation and at the first of
+        # the passes the gradient still holds (another optimizer stepping in between: a GAN's generator
+        # loss went through the discriminator, whose gradient was not cleared before its own backward).
         self.steps: Any = None
         self.accumulated_at = -1
+        self.first_kept_at = -1
         # A second parameter with no hooks, from another part of the model than the representative (the
         # least shared module path), and its gradient at the previous check: zero_grad() called on one
         # submodule (enc.zero_grad() where one optimizer trains enc and dec) clears one of the two only.
@@ -211,6 +214,8 @@ class _Tracker:
             self.accumulations += 1
             self.kept_passes += 1
             self.accumulated_at = self.steps() if self.steps is not None else -1
+            if self.kept_passes == 1:
+                self.first_kept_at = self.accumulated_at
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
             self.post_ptr = g.data_ptr() if not g.is_sparse else 0
@@ -406,6 +411,10 @@ class ZeroGradTracker:
             and t.post_ref() is g
             and (g.is_sparse or g.data_ptr() == t.post_ptr),
         }
+        if len(self.trackers) > 1 and t.kept_passes >= 2 and 0 <= t.first_kept_at < t.accumulated_at:
+            # The gradient holds passes from before another optimizer's step (and after it): that step's
+            # backward also went through these parameters and nothing cleared them since.
+            facts["spans_other_step"] = True
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
             ctx.slots[_SLOT_ZERO] = ctx.batch.add(held)

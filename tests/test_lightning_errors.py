@@ -95,6 +95,60 @@ class Gan(pl.LightningModule):
         return tiny_data()
 
 
+class DocsGan(pl.LightningModule):
+    """The Lightning docs' basic GAN (manual optimization), with or without toggle_optimizer."""
+
+    def __init__(self, toggle: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.toggle = toggle
+        self.generator = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        if self.toggle:
+            self.toggle_optimizer(opt_g)
+        fake = self.generator(torch.randn_like(x))
+        g_loss = bce(self.discriminator(fake), torch.ones(x.shape[0], 1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        if self.toggle:
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_d)
+        real = bce(self.discriminator(x), torch.ones(x.shape[0], 1))
+        fake_loss = bce(self.discriminator(fake.detach()), torch.zeros(x.shape[0], 1))
+        self.manual_backward((real + fake_loss) / 2)
+        opt_d.step()
+        opt_d.zero_grad()
+        if self.toggle:
+            self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.Adam(self.generator.parameters(), lr=2e-4),
+                torch.optim.Adam(self.discriminator.parameters(), lr=2e-4))
+
+    def train_dataloader(self) -> Any:
+        return tiny_data()
+
+
+def test_a_gan_without_toggle_optimizer_is_found_at_the_discriminators_first_step() -> None:
+    # The generator's backward fills the discriminator's gradients; without toggle_optimizer (or a
+    # zero_grad() before D's backward) D's step applies them on top of its own loss's
+    # (Lightning-AI/pytorch-lightning#557, CompVis/taming-transformers#27). Nothing was reported.
+    cb = fit(DocsGan(toggle=False), max_steps=8)
+    (f,) = [f for f in cb.findings if f.kind == "grads_span_other_step"]
+    assert f.step == 1 and f.data["optimizer"] == 1 and "toggle_optimizer" in f.message
+
+
+def test_the_docs_gan_with_toggle_optimizer_is_silent() -> None:
+    assert [f.kind for f in fit(DocsGan(toggle=True), max_steps=8).findings if f.severity != "info"] == []
+
+
 def fit(module: Any, **trainer_kwargs: Any) -> GradWatchCallback:
     cb = GradWatchCallback(console=False)
     tiny_trainer(pl, [cb], **trainer_kwargs).fit(module)

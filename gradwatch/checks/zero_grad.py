@@ -27,11 +27,22 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         and not history.reported.get(f"{_IN_LOOP}/{i}")
     ):
         found.append(_in_loop(stats))
+    facts = stats.extra.get("zero_grad") or {}
+    if (
+        facts.get("spans_other_step")
+        and not stats.extra.get("zero_grad_missing")
+        and not found
+        and not history.reported.get(f"{_SPANS}/{i}")
+    ):
+        stats.extra[_SPANS] = True
+        found.append(_spans(stats, facts))
     return found
 
 
 def remember(stats: StepStats, history: History) -> None:
     i = stats.optimizer_index
+    if stats.extra.get(_SPANS):
+        history.reported[f"{_SPANS}/{i}"] = True
     for kind in ("zero_grad_missing", "grads_cleared_before_step"):
         if stats.extra.get(kind):
             history.reported[f"{kind}/{i}"] = True
@@ -42,6 +53,31 @@ def remember(stats: StepStats, history: History) -> None:
 
 
 _IN_LOOP = "zero_grad_in_accumulation"
+_SPANS = "grads_span_other_step"
+
+
+def _spans(stats: StepStats, facts: dict[str, object]) -> Finding:
+    i = stats.optimizer_index
+    passes = int(facts.get("kept_passes", 0))
+    return Finding(
+        kind=_SPANS,
+        step=stats.step,
+        severity="warning",
+        message=(
+            f"optimizer {i}'s update at step {stats.step} applies a gradient of {passes} backward passes, and "
+            "the first of them ran before another optimizer's step: that optimizer's loss went through these "
+            "parameters too (a GAN's generator loss through the discriminator, an actor's loss through the "
+            "critic) and nothing cleared their gradients before this optimizer's own backward.\n"
+            "Why it matters: this update also follows the other loss (for a GAN, the discriminator partly "
+            "learns to help the generator), so it trains towards the wrong objective.\n"
+            f"Fix: clear this optimizer's gradients right before its own backward (optimizer {i}.zero_grad() "
+            "before its loss.backward()); in Lightning manual optimization wrap each phase in "
+            "self.toggle_optimizer(opt) / self.untoggle_optimizer(opt); or detach what the other loss must "
+            "not reach (D(fake.detach()) for the discriminator's loss)."
+        ),
+        params=(str(facts.get("param")),) if facts.get("param") else (),
+        data={"optimizer": i, "backward_passes": passes},
+    )
 #: Backward passes per step, each after the first finding the gradients cleared, before it is reported.
 #: Two are common on purpose (SAM's two passes, an adversarial example's pass, Lightning stepping every
 #: other batch); the pattern must also repeat on the next checked step (per-sample Fisher or saliency
