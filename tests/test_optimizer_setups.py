@@ -360,20 +360,24 @@ def test_a_wrapper_without_step_hooks_or_an_inner_optimizer_is_refused_with_what
         gradwatch.watch(model, Averaging(model.parameters()))
 
 
-def test_a_weight_decay_typo_is_named_at_the_first_step() -> None:
-    # SGD(lr=0.1, weight_decay=5e2) for 5e-4: every step multiplies the weights by -49. It showed as
-    # exploding gradients and Inf losses with "clip, lower the learning rate" fixes; weight_decay was
-    # never mentioned.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=5e2)
+def _three_steps(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
     with gradwatch.watch(model, opt, console=False) as gw:
         for _ in range(3):
             loss = model(torch.randn(8, 4)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-    (f,) = [f for f in gw.findings if f.kind == "weight_decay_too_large"]
+    return gw.findings
+
+
+def test_a_weight_decay_typo_is_named_at_the_first_step() -> None:
+    # SGD(lr=0.1, weight_decay=5e2) for 5e-4: every step multiplies the weights by -49. It showed as
+    # exploding gradients and Inf losses with "clip, lower the learning rate" fixes; weight_decay was
+    # never mentioned.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    findings = _three_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=5e2))
+    (f,) = [f for f in findings if f.kind == "weight_decay_too_large"]
     assert f.step == 0 and f.data["weight_decay"] == 500.0 and "-49" in f.message
 
 
@@ -385,11 +389,5 @@ def test_a_weight_decay_typo_is_named_at_the_first_step() -> None:
 def test_usual_weight_decay_settings_are_not_flagged(make: Any) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    opt = make(list(model.parameters()))
-    with gradwatch.watch(model, opt, console=False) as gw:
-        for _ in range(3):
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    assert not any(f.kind == "weight_decay_too_large" for f in gw.findings)
+    findings = _three_steps(model, make(list(model.parameters())))
+    assert not any(f.kind == "weight_decay_too_large" for f in findings)

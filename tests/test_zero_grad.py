@@ -751,9 +751,8 @@ def test_zero_grad_of_a_lightning_module_names_the_lightning_fix(where: str) -> 
         assert "optimizer.step()" not in fix
 
 
-def test_an_actor_loss_left_in_the_critics_gradient_is_found() -> None:
-    # Actor phase first: the actor's loss goes through the critic (Q(s, pi(s))) and the critic's optimizer
-    # clears only after its step, so the critic's update also follows the actor's loss.
+def _actor_critic(clear_before_critic: bool) -> list[gradwatch.Finding]:
+    """Actor phase first: the actor's loss goes through the critic (Q(s, pi(s)))."""
     torch.manual_seed(0)
     actor, critic = nn.Linear(4, 2), nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
     opt_a, opt_c = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
@@ -765,29 +764,20 @@ def test_an_actor_loss_left_in_the_critics_gradient_is_found() -> None:
             opt_a.zero_grad()
             actor_loss.backward()
             opt_a.step()
+            if clear_before_critic:
+                opt_c.zero_grad()
             q = critic(torch.cat([s, torch.randn(16, 2)], 1))
-            critic_loss = (q - torch.randn(16, 1)).pow(2).mean()
-            critic_loss.backward()
+            (q - torch.randn(16, 1)).pow(2).mean().backward()
             opt_c.step()
             opt_c.zero_grad()
-    (f,) = [f for f in gw.findings if f.kind == "grads_span_other_step"]
+    return gw.findings
+
+
+def test_an_actor_loss_left_in_the_critics_gradient_is_found() -> None:
+    # The critic's optimizer clears only after its step, so its update also follows the actor's loss.
+    (f,) = [f for f in _actor_critic(clear_before_critic=False) if f.kind == "grads_span_other_step"]
     assert f.data["optimizer"] == 1 and f.step == 0
 
 
 def test_a_critic_cleared_before_its_own_backward_is_silent() -> None:
-    torch.manual_seed(0)
-    actor, critic = nn.Linear(4, 2), nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt_a, opt_c = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
-    model = nn.ModuleDict({"actor": actor, "critic": critic})
-    with gradwatch.watch(model, [opt_a, opt_c], console=False) as gw:
-        for _ in range(4):
-            s = torch.randn(16, 4)
-            actor_loss = -critic(torch.cat([s, actor(s)], 1)).mean()
-            opt_a.zero_grad()
-            actor_loss.backward()
-            opt_a.step()
-            opt_c.zero_grad()
-            q = critic(torch.cat([s, torch.randn(16, 2)], 1))
-            (q - torch.randn(16, 1)).pow(2).mean().backward()
-            opt_c.step()
-    assert [f.kind for f in gw.findings if f.severity != "info"] == []
+    assert [f.kind for f in _actor_critic(clear_before_critic=True) if f.severity != "info"] == []
