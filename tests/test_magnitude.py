@@ -662,9 +662,6 @@ def test_the_same_model_at_a_sane_learning_rate_is_silent() -> None:
     assert gw.findings == []
 
 
-# A DQN's hard target-network sync shifts the regression targets every N steps: the same-size gradient and
-# loss spike each time, on a healthy run (https://github.com/CodeRayZhang/Reinforcement-Learning/issues/1:
-# "every time target_net is updated, the loss fluctuates").
 def test_a_loss_that_starts_near_zero_and_grows_by_design_is_not_diverging() -> None:
     # A target whose amplitude a curriculum raises from 1% at step 3: the loss starts at ~1e-4 and jumps
     # 100x, by design; "10x the start" means nothing for a start that close to 0.
@@ -685,7 +682,11 @@ def test_a_loss_that_starts_near_zero_and_grows_by_design_is_not_diverging() -> 
     assert [f.kind for f in gw.findings if f.kind == "loss_diverging"] == [], magnitude(gw)
 
 
-def test_recurring_spikes_of_the_same_size_are_reported_once() -> None:
+# A DQN's hard target-network sync shifts the regression targets every N steps: the same-size gradient and
+# loss spike each time, on a healthy run (https://github.com/CodeRayZhang/Reinforcement-Learning/issues/1:
+# "every time target_net is updated, the loss fluctuates").
+@pytest.mark.parametrize("amplitude", [2.0, 20.0])
+def test_recurring_spikes_of_the_same_size_are_reported_at_most_once(amplitude: float) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -694,16 +695,167 @@ def test_recurring_spikes_of_the_same_size_are_reported_once() -> None:
     with gradwatch.watch(model, opt, console=False) as gw:
         for step in range(240):
             x = torch.randn(32, 4, generator=g)
-            shift = 2.0 * ((step // 40) % 2)  # the targets move every 40 steps, back and forth
+            shift = amplitude * ((step // 40) % 2)  # the targets move every 40 steps, back and forth
             loss = nn.functional.mse_loss(model(x), x @ w + shift)
             gw.observe_loss(loss)
             opt.zero_grad()
             loss.backward()
             opt.step()
     spikes = [(f.kind, f.step) for f in gw.findings if f.kind in ("exploding_grad", "loss_spike")]
-    assert len([k for k, _ in spikes if k == "exploding_grad"]) <= 1, spikes
-    assert len([k for k, _ in spikes if k == "loss_spike"]) <= 1, spikes
-    assert spikes and all(s % 40 == 0 for _, s in spikes), spikes  # at a shift of the targets
+    if amplitude == 2.0:
+        # Each shift throws loss and norm back to about where the run started, and they fall back at the next
+        # step: a transient of a healthy run, not reported even the first time.
+        assert spikes == [], spikes
+    else:
+        # 50x the starting loss: beyond anything the run has shown, reported at its step; the same-size
+        # jumps after it are not reported again.
+        assert spikes == [("exploding_grad", 40), ("loss_spike", 40)], spikes
+
+
+def _dqn(sync: int, steps: int, blow_up_at: int | None = None) -> gradwatch.Watcher:
+    """DQN regression on a replay buffer (SmoothL1 on Q(s, a) vs r + 0.99 max Q_target(s'), RMSprop) with a
+    hard target-network sync every ``sync`` steps. ``blow_up_at``: the learning rate is raised 300x there."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2000, 4, generator=g)
+    a = torch.randint(0, 2, (2000,), generator=g)
+    s2 = 0.9 * s + 0.1 * torch.randn(2000, 4, generator=g)
+    done = (torch.rand(2000, generator=g) < 0.05).float()
+    q = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    target = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    target.load_state_dict(q.state_dict())
+    opt = torch.optim.RMSprop(q.parameters(), lr=1e-3)
+    with gradwatch.watch(q, opt, console=False) as gw:
+        for step in range(steps):
+            if step == blow_up_at:
+                opt.param_groups[0]["lr"] *= 300
+            i = torch.randint(0, 2000, (64,), generator=g)
+            with torch.no_grad():
+                y = 1.0 + 0.99 * (1 - done[i]) * target(s2[i]).max(1).values
+            loss = nn.functional.smooth_l1_loss(q(s[i]).gather(1, a[i, None]).squeeze(1), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if (step + 1) % sync == 0:
+                target.load_state_dict(q.state_dict())
+    return gw
+
+
+def test_dqn_first_hard_target_sync_is_not_an_explosion() -> None:
+    # Reported as a false alarm: a DQN (PyTorch's older DQN tutorial, TARGET_UPDATE hard sync) got
+    # exploding_grad and loss_spike at its first target sync: 50x the norm's median, 500x the loss's, back to
+    # where the run started, and falling back 3x at the next step.
+    gw = _dqn(sync=100, steps=320)
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
+
+
+def test_dqn_learning_rate_blown_up_at_a_target_sync_is_still_reported() -> None:
+    # The same jump at the sync, but the learning rate was raised 300x there: the norm does not fall back.
+    gw = _dqn(sync=100, steps=120, blow_up_at=100)
+    exploding = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [(f.step, f.data["since"]) for f in exploding] == [(101, 100)], magnitude(gw)  # it grew on: at once
+    assert "jumped at step 100" in exploding[0].message and "has not fallen back" in exploding[0].message
+
+
+def test_a_norm_that_climbs_on_from_within_the_runs_range_is_reported_a_few_steps_later() -> None:
+    # Full-batch gradient descent at the edge of stability: from step 342 the norm climbs 1.4x per step
+    # (0.14 -> 11) and the loss 40x. Its first jump stays within the range of the run's first steps, so it
+    # is judged by whether it falls back: it does not, and is reported SETTLE steps after it began.
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 10), torch.randn(64, 1)
+    model = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(360):
+            loss = nn.functional.mse_loss(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    exploding = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [(f.step, f.data.get("since")) for f in exploding] == [(345, 342)], magnitude(gw)
+    assert "jumped at step 342" in exploding[0].message
+
+
+def test_lazy_regularization_steps_are_not_explosions() -> None:
+    # Reported as a false alarm: StyleGAN2's lazy regularization (rosinality/stylegan2-pytorch train.py)
+    # takes a separate discriminator step with only the R1 penalty (x 10/2 x d_reg_every) every 16
+    # iterations: its gradient is 20-30x the main steps' median, on every such step, by design.
+    torch.manual_seed(0)
+    d = nn.Sequential(nn.Linear(8, 64), nn.LeakyReLU(0.2), nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+    fake_source = nn.Linear(16, 8)  # a fixed generator
+    protos = torch.randn(5, 8)
+    opt = torch.optim.Adam(d.parameters(), lr=2e-3 * 16 / 17, betas=(0.0, 0.99 ** (16 / 17)))
+    with gradwatch.watch(d, opt, console=False) as gw:
+        for i in range(150):
+            real = protos[torch.randint(0, 5, (32,))] + 0.1 * torch.randn(32, 8)
+            with torch.no_grad():
+                fake = fake_source(torch.randn(32, 16))
+            loss = nn.functional.softplus(-d(real)).mean() + nn.functional.softplus(d(fake)).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i % 16 == 0:
+                real.requires_grad_(True)
+                pred = d(real)
+                (grad,) = torch.autograd.grad(pred.sum(), real, create_graph=True)
+                r1 = grad.pow(2).sum(1).mean()
+                opt.zero_grad()
+                (10 / 2 * r1 * 16 + 0 * pred[0]).sum().backward()
+                opt.step()
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
+
+
+def test_losses_that_are_mostly_exactly_zero_are_not_spiking() -> None:
+    # Reported as a false alarm: a triplet margin loss on an easy task is exactly 0 on most batches once
+    # every margin holds, and a batch with one violating triplet was a loss spike "above its median of 0".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    protos = torch.randn(10, 16) * 2
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.TripletMarginLoss(margin=0.2)
+    zero = 0
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(400):
+            c = torch.randint(0, 10, (32,))
+            n = (c + torch.randint(1, 10, (32,))) % 10
+            a, p, neg = (protos[k] + 0.5 * torch.randn(32, 16) for k in (c, c, n))
+            emb = [nn.functional.normalize(model(t)) for t in (a, p, neg)]
+            loss = crit(*emb)
+            gw.observe_loss(loss)
+            zero += int(loss.item() == 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert zero > 300  # the shape described above
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
+
+
+def test_a_task_sampled_now_and_then_with_a_larger_loss_scale_is_not_spiking() -> None:
+    # Reported as a false alarm: multi-task learning with tasks sampled by dataset size (MT-DNN style): a
+    # classification task (loss ~1) on 85% of steps, an unnormalized regression (loss ~40) on the others.
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    enc = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    model = nn.ModuleDict({"enc": enc, "a": nn.Linear(64, 4), "b": nn.Linear(64, 1)})
+    x = torch.randn(4096, 16, generator=g)
+    ya, yb = x[:, :4].argmax(1), 5 * x[:, 4:5] + 3 * x[:, 5:6] ** 2
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(400):
+            i = torch.randint(0, 4096, (64,), generator=g)
+            h = model["enc"](x[i])
+            if torch.rand((), generator=g) < 0.85:
+                loss = nn.functional.cross_entropy(model["a"](h), ya[i])
+            else:
+                loss = nn.functional.mse_loss(model["b"](h), yb[i])
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f for f in gw.findings if f.severity != "info"] == [], magnitude(gw)
 
 
 def test_a_head_used_on_some_steps_is_not_dead_with_zero_grad_keeping_zeros() -> None:

@@ -11,7 +11,13 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
   warm-up and learning-rate schedules, which move norms gradually, do not trigger it. In a converged run
   (the loss 100x below its early median, or else the norm's median 100x below that of the run's first 20
   checked steps) a spike must also exceed 10x (1x) that early norm: oscillations of full-batch Adam
-  around a minimum are not explosions.
+  around a minimum are not explosions. A spike that stays within the range the run has already shown (at
+  most ``RANGE_FACTOR`` x the largest norm of its first ``MIN_HISTORY`` checked steps, of an earlier spike
+  that fell back, or of the last ``window``) is reported only if it has not fallen back to half its size
+  within ``SETTLE`` checked steps:
+  a DQN's hard target-network sync, a lazy-regularization step (StyleGAN2's R1 every 16 steps) or a task
+  sampled now and then with a larger loss scale jump that far and fall back at once. A jump beyond that
+  range is reported at its step.
 
 A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
 An overflowing norm (the update is skipped) is reported even when the episode's growth was reported
@@ -62,6 +68,20 @@ CONVERGED_FACTOR = 10.0
 #: change by more than this fraction (layers unfrozen or added) restarts the comparison.
 _COUNT = "exploding/count"
 COUNT_CHANGE = 0.25
+#: The log of the largest total norm of the run's first ``MIN_HISTORY`` checked steps, or of a later spike
+#: that fell back (the run has shown that range), per optimizer.
+_PEAK = "exploding/peak"
+#: A spike at most this many times that peak, or the largest norm of the recent window, is within the range
+#: the run has shown: judged by whether it falls back (below) instead of at its step. Gradient norms grow
+#: with the weights: a DQN's target sync at step 150 jumps to 1.8-2.2x its first steps' norms.
+RANGE_FACTOR = 4.0
+#: Checked steps a spike within that range has to fall back below ``1 / FALL`` of its size; one that has
+#: not is reported then. A transient (a DQN's target sync: the next norms fall 2.5x, 3x, 5x) falls back at
+#: once; a real explosion stays up or keeps growing.
+SETTLE = 3
+FALL = 2.0
+#: Per optimizer, the spike within the run's range that is waiting to fall back (see ``SETTLE``).
+_PENDING = "exploding/pending"
 
 
 @once_per_check
@@ -165,6 +185,20 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if facts is None:
         return []
     reasons = _reasons(facts, config)
+    pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
+    if pending is not None:
+        if reasons == ["overflow"]:
+            stats.extra[_PENDING] = "reported"  # by the overflow finding below
+        elif facts["total"] > pending["total"] / FALL:
+            # A spike within the run's range that has not fallen back: reported after SETTLE checked steps,
+            # or at once when it grows RANGE_FACTOR x further or another test confirms it.
+            grown = facts["total"] > RANGE_FACTOR * pending["total"]
+            if pending["left"] <= 1 or grown or any(r != "spike" for r in reasons):
+                stats.extra[_RECORD] = pending["excess"]
+                stats.extra[_PENDING] = "reported"
+                where, jump = _locate(stats, history, facts["layers"])
+                also = [r for r in reasons if r != "spike"]
+                return [_finding(stats, dict(facts, where=where, jump=jump, since=pending), [*also, "spike"], config)]
     if not reasons:
         return []
     recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
@@ -181,9 +215,23 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
         if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
             return []
+        if pending is None and _within_range(facts, history):
+            stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+            return []
         stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
     where, jump = _locate(stats, history, facts["layers"])
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
+
+
+def _within_range(facts: dict[str, Any], history: History) -> bool:
+    """True for a norm at most RANGE_FACTOR x the largest of the run's start or of the recent window (only
+    asked about a step that already clears the spike thresholds)."""
+    peak = history.memory.get(_PEAK, {}).get(facts["optimizer"])
+    logs = facts["logs"]
+    top = max(logs) if logs else -math.inf
+    if peak is not None:
+        top = max(top, peak)
+    return math.log(facts["total"]) <= math.log(RANGE_FACTOR) + top
 
 
 def remember(stats: StepStats, history: History) -> None:
@@ -191,6 +239,28 @@ def remember(stats: StepStats, history: History) -> None:
     facts = _measure(stats, history)
     if facts is None:
         return
+    pending = history.memory.setdefault(_PENDING, {})
+    note = stats.extra.get(_PENDING)
+    i = stats.optimizer_index
+    if note == "new":
+        pending[i] = {
+            "step": stats.step,
+            "total": facts["total"],
+            "median": facts["median"],
+            "n": facts["n"],
+            "excess": facts["excess"],
+            "left": SETTLE,
+        }
+    elif i in pending:
+        if note == "reported":
+            del pending[i]
+        elif facts["total"] <= pending[i]["total"] / FALL:
+            # Fell back: a transient of a healthy run, whose size is now part of the run's range (the
+            # target syncs of a DQN grow slowly with its weights).
+            peaks = history.memory.setdefault(_PEAK, {})
+            peaks[i] = max(peaks.get(i, -math.inf), math.log(pending.pop(i)["total"]))
+        else:
+            pending[i]["left"] -= 1
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
     counts = history.memory.setdefault(_COUNT, {})
@@ -207,6 +277,8 @@ def remember(stats: StepStats, history: History) -> None:
     early = history.memory.setdefault(_EARLY, {})
     if stats.optimizer_index not in early and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
         early[stats.optimizer_index] = facts["median"]
+        peaks = history.memory.setdefault(_PEAK, {})
+        peaks[stats.optimizer_index] = max(max(facts["logs"]), peaks.get(stats.optimizer_index, -math.inf))
 
 
 def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
@@ -234,7 +306,15 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             f"the gradient norm {_f(total)} is {total / facts['param_total']:.3g}x the norm of the weights "
             f"({_f(facts['param_total'])}; exploding_ratio={config.exploding_ratio:g})"
         )
-    if "spike" in reasons:
+    since = facts.get("since")
+    if "spike" in reasons and since is not None:
+        med = since["median"]
+        what.append(
+            f"the gradient norm jumped at step {since['step']} to {_f(since['total'])}, "
+            f"{since['total'] / med:.3g}x its median of {_f(med)} over the {since['n']} checked steps before, "
+            f"and has not fallen back since ({_f(total)} now)"
+        )
+    elif "spike" in reasons:
         med = facts["median"]
         what.append(
             f"the gradient norm jumped to {_f(total)}, {total / med:.3g}x its median of {_f(med)} over the "
@@ -275,11 +355,12 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         data={
             "reasons": reasons,
             "total_norm": total,
-            "median_norm": facts["median"],
+            "median_norm": since["median"] if since is not None else facts["median"],
             "param_norm": facts["param_total"],
             "optimizer": stats.optimizer_index,
             "overflow": list(facts["overflow"]),
             "table": [{"layer": k, "grad_norm": v} for k, v in top],
+            **({"since": since["step"]} if since is not None else {}),
         },
     )
 
