@@ -221,6 +221,49 @@ def test_norm_overflowing_float32_with_finite_elements_is_exploding_not_nonfinit
     assert "skipped this update" in gw.findings[0].message
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_exploding_ratio_is_judged_against_the_weights_of_its_step(deferred: bool) -> None:
+    # Reported: weight_decay=500 (a typo) grows the weights 50x per update. The weights' norm is measured every
+    # update_ratio_every steps, and step 1's gradient was judged against step 0's weights: "1.34e4x the
+    # norm of the weights (3.44)" when they were at 168.5 (a ratio of 274). Step 2's is 7.9e6x, truly.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=5e2)
+    weights = []
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="warn", deferred=deferred) as gw:
+        for _ in range(3):
+            loss = nn.functional.mse_loss(model(torch.randn(16, 10)), torch.randn(16, 1))
+            opt.zero_grad()
+            loss.backward()
+            weights.append(math.sqrt(sum(float(p.detach().norm()) ** 2 for p in model.parameters())))
+            opt.step()
+    ratio = [f for f in gw.findings if f.kind == "exploding_grad" and "ratio" in f.data["reasons"]]
+    if not deferred:
+        # Measured on the spot, on the suspicious step only.
+        assert [f.step for f in ratio] == [2], magnitude(gw)
+        assert ratio[0].data["param_norm"] == pytest.approx(weights[2], rel=1e-5)
+        assert f"the norm of the weights ({weights[2]:.3g};" in ratio[0].message
+    else:
+        # No sync allowed, and the weights have moved on: not judged against the stale measurement.
+        assert ratio == [], magnitude(gw)
+
+
+def test_exploding_ratio_in_deferred_mode_measures_the_weights_at_a_later_step() -> None:
+    # Targets 10x larger at every step: the gradient passes 1e4x the weights at step 4; in deferred mode the
+    # weights (measured at step 0) are measured again two steps later, and that step is judged.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="warn", deferred=True) as gw:
+        for step in range(10):
+            loss = nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1) * 10.0**step)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ratio = [f for f in gw.findings if f.kind == "exploding_grad"]
+    assert [(f.step, f.data["reasons"]) for f in ratio] == [(6, ["ratio"])], magnitude(gw)
+
+
 def test_update_from_an_unscaled_batch_whose_gradient_norm_overflows_is_skipped() -> None:
     # One batch with an unscaled feature (1e19): the loss is finite, every gradient element too, but the
     # gradient norm overflows; applied, the update put weights at ~1e34 and every later step went NaN.

@@ -36,7 +36,9 @@ from gradwatch.findings import Finding
 from gradwatch.history import History
 from gradwatch.magnitude import (
     EARLY_NORM,
+    WANT_PARAM_NORMS,
     converged,
+    measure_param_norms,
     median,
     once_per_check,
     param_norms_of,
@@ -82,6 +84,9 @@ SETTLE = 3
 FALL = 2.0
 #: Per optimizer, the spike within the run's range that is waiting to fall back (see ``SETTLE``).
 _PENDING = "exploding/pending"
+#: Notes for remember: the weights' norms measured on this suspicious step, or a measurement wanted next step.
+_NOW = "exploding/param_norms"
+_WANT = "exploding/want_param_norms"
 
 
 @once_per_check
@@ -118,6 +123,8 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
         "param_total": weight_summary(param_norms_of(stats, history))[1],
+        # Measured at this step (every update_ratio_every steps), or earlier: see _weights_now.
+        "fresh": isinstance(stats.extra.get("param_norms"), dict),
     }
 
 
@@ -180,10 +187,34 @@ def _beyond_converged(facts: dict[str, Any]) -> bool:
     return True
 
 
+def _weights_now(stats: StepStats, facts: dict[str, Any], config: Config) -> None:
+    """Judge (and quote) the ratio test against this step's weights, not a stale measurement.
+
+    The weights' norms are measured every ``update_ratio_every`` steps, and one update can grow them 50x (a
+    learning rate or weight decay far too high). A gradient above ``exploding_ratio`` x a stale measurement
+    has the weights measured now, one more sync on this step only; in deferred mode (no sync, and the
+    weights have moved on) the step is not judged by the ratio and the next checked step measures them.
+    """
+    ratio = config.exploding_ratio
+    pt = facts["param_total"]
+    if facts["fresh"] or ratio is None or not pt or not facts["total"] > ratio * pt:
+        return
+    params = stats.extra.get("params")
+    if config.deferred or not isinstance(params, list):
+        stats.extra[_WANT] = True  # a note for remember
+        facts["param_total"] = None
+        return
+    now = measure_param_norms(params, stats.modules)
+    stats.extra[_NOW] = now  # a note for remember: the latest measurement
+    facts["param_total"] = weight_summary(now)[1]
+    facts["fresh"] = True
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _measure(stats, history)
     if facts is None:
         return []
+    _weights_now(stats, facts, config)
     reasons = _reasons(facts, config)
     pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
     if pending is not None:
@@ -235,7 +266,9 @@ def _within_range(facts: dict[str, Any], history: History) -> bool:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    remember_param_norms(stats, history)
+    remember_param_norms(stats, history, stats.extra.get(_NOW))
+    if stats.extra.get(_WANT):
+        history.memory.setdefault(WANT_PARAM_NORMS, set()).add(stats.optimizer_index)
     facts = _measure(stats, history)
     if facts is None:
         return
