@@ -5,7 +5,10 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
 - the norm of the gradient (total or one layer's) overflows float32 although every element is finite;
 - the total or a layer's norm is above ``exploding_norm`` (if set);
 - the total gradient norm is more than ``exploding_ratio`` times the total parameter norm (needs no
-  history, so it also catches a run that explodes from step 0);
+  history, so it also catches a run that explodes from step 0), or than that many times the norm PyTorch's
+  default initialization would give those weights when they are smaller than that (a small or zero init
+  grows into its scale in the first updates: the gradient of a regression from N(0, 0.01) weights onto
+  targets ~1e2 is 2e4x those weights at step 0, and the run is healthy);
 - a spike: the total norm is more than ``spike_factor`` times its median over the last ``window`` checked
   steps and more than 5 robust standard deviations (MAD) above it in log space. Because the median rolls,
   warm-up and learning-rate schedules, which move norms gradually, do not trigger it. In a converged run
@@ -164,7 +167,7 @@ def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
     if bound is not None:
         if facts["total"] > bound or any(v > bound for v in facts["layers"].values()):
             reasons.append("bound")
-    pt = facts["param_total"]
+    pt = facts.get("init_scale") or facts["param_total"]
     if config.exploding_ratio is not None and pt and facts["total"] > config.exploding_ratio * pt:
         reasons.append("ratio")
     excess = facts["excess"]
@@ -187,34 +190,63 @@ def _beyond_converged(facts: dict[str, Any]) -> bool:
     return True
 
 
-def _weights_now(stats: StepStats, facts: dict[str, Any], config: Config) -> None:
-    """Judge (and quote) the ratio test against this step's weights, not a stale measurement.
+def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) -> None:
+    """What the ratio test judges the gradient against: this step's weights, or a default init's scale.
 
-    The weights' norms are measured every ``update_ratio_every`` steps, and one update can grow them 50x (a
-    learning rate or weight decay far too high). A gradient above ``exploding_ratio`` x a stale measurement
-    has the weights measured now, one more sync on this step only; in deferred mode (no sync, and the
-    weights have moved on) the step is not judged by the ratio and the next checked step measures them.
+    Asked on every step, works only on a step whose gradient clears ``exploding_ratio`` x the latest
+    measurement of the weights. Weights smaller than a default initialization's (a small or zero init,
+    which grows into its scale in the first updates) are judged at that scale. The weights' norms are
+    measured every ``update_ratio_every`` steps, and one update can grow them 50x (a learning rate or weight
+    decay far too high): a stale measurement is replaced by one taken now, one more sync on this step only;
+    in deferred mode (no sync, and the weights have moved on) the step is not judged by the ratio and the
+    next checked step measures them.
     """
     ratio = config.exploding_ratio
     pt = facts["param_total"]
-    if facts["fresh"] or ratio is None or not pt or not facts["total"] > ratio * pt:
+    if ratio is None or not pt or not facts["total"] > ratio * pt:
         return
     params = stats.extra.get("params")
-    if config.deferred or not isinstance(params, list):
-        stats.extra[_WANT] = True  # a note for remember
-        facts["param_total"] = None
+    scale = _init_scale(params) if isinstance(params, list) else 0.0
+    if not facts["total"] > ratio * scale:
+        facts["init_scale"] = scale  # cleared at that scale alone: no need to read the weights again
         return
-    now = measure_param_norms(params, stats.modules)
-    stats.extra[_NOW] = now  # a note for remember: the latest measurement
-    facts["param_total"] = weight_summary(now)[1]
-    facts["fresh"] = True
+    if not facts["fresh"]:
+        if config.deferred or not isinstance(params, list):
+            stats.extra[_WANT] = True  # a note for remember
+            facts["param_total"] = None
+            return
+        now = measure_param_norms(params, stats.modules)
+        stats.extra[_NOW] = now  # a note for remember: the latest measurement
+        facts["param_total"] = pt = weight_summary(now)[1]
+        facts["fresh"] = True
+    if pt is not None and scale > pt:
+        facts["init_scale"] = scale
+
+
+_SCALE: list[tuple[Any, ...]] = [()]
+
+
+def _init_scale(params: list[Any]) -> float:
+    """The norm PyTorch's default initialization gives these weights: nn.Linear and nn.ConvNd draw them with
+    variance 1 / (3 fan_in), out_features / 3 per weight tensor in all. Vectors (biases, norm scales) are
+    left out, so it never overstates that scale. Memoized for the latest parameter list (the optimizer's,
+    the same from step to step; its tensors held weakly): no per-parameter work on a step that needs it
+    again."""
+    if not params:
+        return 0.0
+    memo = _SCALE[0]  # one read: another thread may replace it, never half of it
+    if memo and memo[0]() is params[0] and memo[1]() is params[-1] and memo[2] == len(params):
+        return memo[3]  # type: ignore[no-any-return]
+    scale = math.sqrt(sum(p.shape[0] / 3 for p in params if p.dim() >= 2))
+    _SCALE[0] = (weakref.ref(params[0]), weakref.ref(params[-1]), len(params), scale)
+    return scale
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _measure(stats, history)
     if facts is None:
         return []
-    _weights_now(stats, facts, config)
+    _ratio_reference(stats, facts, config)
     reasons = _reasons(facts, config)
     pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
     if pending is not None:
@@ -334,7 +366,14 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         if over:
             where = max(over, key=lambda k: over[k])
         what.append(f"the gradient norm {_f(total)} is above exploding_norm={config.exploding_norm:g}")
-    if "ratio" in reasons:
+    if "ratio" in reasons and facts.get("init_scale"):
+        scale = facts["init_scale"]
+        what.append(
+            f"the gradient norm {_f(total)} is {total / scale:.3g}x the norm a default initialization would give "
+            f"these weights ({_f(scale)}; they are at {_f(facts['param_total'])}; "
+            f"exploding_ratio={config.exploding_ratio:g})"
+        )
+    elif "ratio" in reasons:
         what.append(
             f"the gradient norm {_f(total)} is {total / facts['param_total']:.3g}x the norm of the weights "
             f"({_f(facts['param_total'])}; exploding_ratio={config.exploding_ratio:g})"
