@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
-from gradwatch.stats import layer_norms, local_shards, queue_grad_norms, read_grad_norms
+from gradwatch.stats import SyncBatch, layer_norms, local_shards, queue_grad_norms, read_grad_norms
 
 #: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
 MAD_TO_STD = 1.4826
@@ -119,11 +119,29 @@ def weight_summary(params: dict[str, float]) -> tuple[dict[str, float], float | 
     return memo[1], memo[2]
 
 
-def remember_param_norms(stats: Any, history: Any) -> None:
-    """Keep the latest per-layer parameter norms (parameters change slowly between measurements)."""
-    now = stats.extra.get("param_norms")
+def remember_param_norms(stats: Any, history: Any, now: Any = None) -> None:
+    """Keep the latest per-layer parameter norms (parameters change slowly between measurements): this
+    step's measurement, or ``now``, norms a check measured on a suspicious step."""
+    if now is None:
+        now = stats.extra.get("param_norms")
     if isinstance(now, dict):
         history.memory.setdefault("param_norms", {})[stats.optimizer_index] = now
+
+
+#: Optimizer indices whose parameter norms a check wants measured at their next checked step (in deferred
+#: mode, where a suspicious step's weights cannot be read on the spot: they have moved on, and no sync is
+#: allowed). The measurement rides in that step's one sync.
+WANT_PARAM_NORMS = "param_norms/wanted"
+
+
+def measure_param_norms(params: list[torch.Tensor], modules: list[str | None]) -> dict[str, float]:
+    """Per-layer norms of ``params`` as they are now, read back with one sync: only for a suspicious step."""
+    keep = [(p.detach(), m) for p, m in zip(params, modules) if p.is_floating_point() and not p.is_meta]
+    if not keep:
+        return {}
+    batch = SyncBatch()
+    slots = queue_grad_norms(batch, [p for p, _ in keep])
+    return layer_norms([m for _, m in keep], read_grad_norms(batch.resolve(), slots, len(keep)))
 
 
 #: Where the checks keep a run's early levels (set once, after their first 20 checked steps).
@@ -272,6 +290,16 @@ class MagnitudeExtension:
                 info.update_modules = [m for _, _, m, _ in pairs]
                 info.update_scales = [c for _, _, _, c in pairs]
                 info.update_steps = steps
+        wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
+        if wanted and i in wanted and count % self.every != 0 and ctx.params:
+            # A check asked for this step's weights (see WANT_PARAM_NORMS): their norms only, no update sample.
+            wanted.discard(i)
+            params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
+            if params:
+                info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
+                info.param_modules = [
+                    m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta
+                ]
         if count % self.every == 0 and ctx.params:
             params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
             modules = [m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta]

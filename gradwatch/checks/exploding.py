@@ -5,13 +5,22 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
 - the norm of the gradient (total or one layer's) overflows float32 although every element is finite;
 - the total or a layer's norm is above ``exploding_norm`` (if set);
 - the total gradient norm is more than ``exploding_ratio`` times the total parameter norm (needs no
-  history, so it also catches a run that explodes from step 0);
+  history, so it also catches a run that explodes from step 0), or than that many times the norm PyTorch's
+  default initialization would give those weights when they are smaller than that (a small or zero init
+  grows into its scale in the first updates: the gradient of a regression from N(0, 0.01) weights onto
+  targets ~1e2 is 2e4x those weights at step 0, and the run is healthy);
 - a spike: the total norm is more than ``spike_factor`` times its median over the last ``window`` checked
   steps and more than 5 robust standard deviations (MAD) above it in log space. Because the median rolls,
   warm-up and learning-rate schedules, which move norms gradually, do not trigger it. In a converged run
   (the loss 100x below its early median, or else the norm's median 100x below that of the run's first 20
   checked steps) a spike must also exceed 10x (1x) that early norm: oscillations of full-batch Adam
-  around a minimum are not explosions.
+  around a minimum are not explosions. A spike that stays within the range the run has already shown (at
+  most ``RANGE_FACTOR`` x the largest norm of its first ``MIN_HISTORY`` checked steps, of an earlier spike
+  that fell back, or of the last ``window``) is reported only if it has not fallen back to half its size
+  within ``SETTLE`` checked steps:
+  a DQN's hard target-network sync, a lazy-regularization step (StyleGAN2's R1 every 16 steps) or a task
+  sampled now and then with a larger loss scale jump that far and fall back at once. A jump beyond that
+  range is reported at its step.
 
 A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
 An overflowing norm (the update is skipped) is reported even when the episode's growth was reported
@@ -30,7 +39,9 @@ from gradwatch.findings import Finding
 from gradwatch.history import History
 from gradwatch.magnitude import (
     EARLY_NORM,
+    WANT_PARAM_NORMS,
     converged,
+    measure_param_norms,
     median,
     once_per_check,
     param_norms_of,
@@ -62,6 +73,23 @@ CONVERGED_FACTOR = 10.0
 #: change by more than this fraction (layers unfrozen or added) restarts the comparison.
 _COUNT = "exploding/count"
 COUNT_CHANGE = 0.25
+#: The log of the largest total norm of the run's first ``MIN_HISTORY`` checked steps, or of a later spike
+#: that fell back (the run has shown that range), per optimizer.
+_PEAK = "exploding/peak"
+#: A spike at most this many times that peak, or the largest norm of the recent window, is within the range
+#: the run has shown: judged by whether it falls back (below) instead of at its step. Gradient norms grow
+#: with the weights: a DQN's target sync at step 150 jumps to 1.8-2.2x its first steps' norms.
+RANGE_FACTOR = 4.0
+#: Checked steps a spike within that range has to fall back below ``1 / FALL`` of its size; one that has
+#: not is reported then. A transient (a DQN's target sync: the next norms fall 2.5x, 3x, 5x) falls back at
+#: once; a real explosion stays up or keeps growing.
+SETTLE = 3
+FALL = 2.0
+#: Per optimizer, the spike within the run's range that is waiting to fall back (see ``SETTLE``).
+_PENDING = "exploding/pending"
+#: Notes for remember: the weights' norms measured on this suspicious step, or a measurement wanted next step.
+_NOW = "exploding/param_norms"
+_WANT = "exploding/want_param_norms"
 
 
 @once_per_check
@@ -98,6 +126,8 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
         "param_total": weight_summary(param_norms_of(stats, history))[1],
+        # Measured at this step (every update_ratio_every steps), or earlier: see _weights_now.
+        "fresh": isinstance(stats.extra.get("param_norms"), dict),
     }
 
 
@@ -137,7 +167,7 @@ def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
     if bound is not None:
         if facts["total"] > bound or any(v > bound for v in facts["layers"].values()):
             reasons.append("bound")
-    pt = facts["param_total"]
+    pt = facts.get("init_scale") or facts["param_total"]
     if config.exploding_ratio is not None and pt and facts["total"] > config.exploding_ratio * pt:
         reasons.append("ratio")
     excess = facts["excess"]
@@ -160,11 +190,78 @@ def _beyond_converged(facts: dict[str, Any]) -> bool:
     return True
 
 
+def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) -> None:
+    """What the ratio test judges the gradient against: this step's weights, or a default init's scale.
+
+    Asked on every step, works only on a step whose gradient clears ``exploding_ratio`` x the latest
+    measurement of the weights. Weights smaller than a default initialization's (a small or zero init,
+    which grows into its scale in the first updates) are judged at that scale. The weights' norms are
+    measured every ``update_ratio_every`` steps, and one update can grow them 50x (a learning rate or weight
+    decay far too high): a stale measurement is replaced by one taken now, one more sync on this step only;
+    in deferred mode (no sync, and the weights have moved on) the step is not judged by the ratio and the
+    next checked step measures them.
+    """
+    ratio = config.exploding_ratio
+    pt = facts["param_total"]
+    if ratio is None or not pt or not facts["total"] > ratio * pt:
+        return
+    params = stats.extra.get("params")
+    scale = _init_scale(params) if isinstance(params, list) else 0.0
+    if not facts["total"] > ratio * scale:
+        facts["init_scale"] = scale  # cleared at that scale alone: no need to read the weights again
+        return
+    if not facts["fresh"]:
+        if config.deferred or not isinstance(params, list):
+            stats.extra[_WANT] = True  # a note for remember
+            facts["param_total"] = None
+            return
+        now = measure_param_norms(params, stats.modules)
+        stats.extra[_NOW] = now  # a note for remember: the latest measurement
+        facts["param_total"] = pt = weight_summary(now)[1]
+        facts["fresh"] = True
+    if pt is not None and scale > pt:
+        facts["init_scale"] = scale
+
+
+_SCALE: list[tuple[Any, ...]] = [()]
+
+
+def _init_scale(params: list[Any]) -> float:
+    """The norm PyTorch's default initialization gives these weights: nn.Linear and nn.ConvNd draw them with
+    variance 1 / (3 fan_in), out_features / 3 per weight tensor in all. Vectors (biases, norm scales) are
+    left out, so it never overstates that scale. Memoized for the latest parameter list (the optimizer's,
+    the same from step to step; its tensors held weakly): no per-parameter work on a step that needs it
+    again."""
+    if not params:
+        return 0.0
+    memo = _SCALE[0]  # one read: another thread may replace it, never half of it
+    if memo and memo[0]() is params[0] and memo[1]() is params[-1] and memo[2] == len(params):
+        return memo[3]  # type: ignore[no-any-return]
+    scale = math.sqrt(sum(p.shape[0] / 3 for p in params if p.dim() >= 2))
+    _SCALE[0] = (weakref.ref(params[0]), weakref.ref(params[-1]), len(params), scale)
+    return scale
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _measure(stats, history)
     if facts is None:
         return []
+    _ratio_reference(stats, facts, config)
     reasons = _reasons(facts, config)
+    pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
+    if pending is not None:
+        if reasons == ["overflow"]:
+            stats.extra[_PENDING] = "reported"  # by the overflow finding below
+        elif facts["total"] > pending["total"] / FALL:
+            # A spike within the run's range that has not fallen back: reported after SETTLE checked steps,
+            # or at once when it grows RANGE_FACTOR x further or another test confirms it.
+            grown = facts["total"] > RANGE_FACTOR * pending["total"]
+            if pending["left"] <= 1 or grown or any(r != "spike" for r in reasons):
+                stats.extra[_RECORD] = pending["excess"]
+                stats.extra[_PENDING] = "reported"
+                where, jump = _locate(stats, history, facts["layers"])
+                also = [r for r in reasons if r != "spike"]
+                return [_finding(stats, dict(facts, where=where, jump=jump, since=pending), [*also, "spike"], config)]
     if not reasons:
         return []
     recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
@@ -181,16 +278,54 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
         if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
             return []
+        if pending is None and _within_range(facts, history):
+            stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+            return []
         stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
     where, jump = _locate(stats, history, facts["layers"])
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
 
 
+def _within_range(facts: dict[str, Any], history: History) -> bool:
+    """True for a norm at most RANGE_FACTOR x the largest of the run's start or of the recent window (only
+    asked about a step that already clears the spike thresholds)."""
+    peak = history.memory.get(_PEAK, {}).get(facts["optimizer"])
+    logs = facts["logs"]
+    top = max(logs) if logs else -math.inf
+    if peak is not None:
+        top = max(top, peak)
+    return math.log(facts["total"]) <= math.log(RANGE_FACTOR) + top
+
+
 def remember(stats: StepStats, history: History) -> None:
-    remember_param_norms(stats, history)
+    remember_param_norms(stats, history, stats.extra.get(_NOW))
+    if stats.extra.get(_WANT):
+        history.memory.setdefault(WANT_PARAM_NORMS, set()).add(stats.optimizer_index)
     facts = _measure(stats, history)
     if facts is None:
         return
+    pending = history.memory.setdefault(_PENDING, {})
+    note = stats.extra.get(_PENDING)
+    i = stats.optimizer_index
+    if note == "new":
+        pending[i] = {
+            "step": stats.step,
+            "total": facts["total"],
+            "median": facts["median"],
+            "n": facts["n"],
+            "excess": facts["excess"],
+            "left": SETTLE,
+        }
+    elif i in pending:
+        if note == "reported":
+            del pending[i]
+        elif facts["total"] <= pending[i]["total"] / FALL:
+            # Fell back: a transient of a healthy run, whose size is now part of the run's range (the
+            # target syncs of a DQN grow slowly with its weights).
+            peaks = history.memory.setdefault(_PEAK, {})
+            peaks[i] = max(peaks.get(i, -math.inf), math.log(pending.pop(i)["total"]))
+        else:
+            pending[i]["left"] -= 1
     per_opt = history.memory.setdefault(_KEY, {})
     per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
     counts = history.memory.setdefault(_COUNT, {})
@@ -207,6 +342,8 @@ def remember(stats: StepStats, history: History) -> None:
     early = history.memory.setdefault(_EARLY, {})
     if stats.optimizer_index not in early and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
         early[stats.optimizer_index] = facts["median"]
+        peaks = history.memory.setdefault(_PEAK, {})
+        peaks[stats.optimizer_index] = max(max(facts["logs"]), peaks.get(stats.optimizer_index, -math.inf))
 
 
 def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
@@ -229,12 +366,27 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         if over:
             where = max(over, key=lambda k: over[k])
         what.append(f"the gradient norm {_f(total)} is above exploding_norm={config.exploding_norm:g}")
-    if "ratio" in reasons:
+    if "ratio" in reasons and facts.get("init_scale"):
+        scale = facts["init_scale"]
+        what.append(
+            f"the gradient norm {_f(total)} is {total / scale:.3g}x the norm a default initialization would give "
+            f"these weights ({_f(scale)}; they are at {_f(facts['param_total'])}; "
+            f"exploding_ratio={config.exploding_ratio:g})"
+        )
+    elif "ratio" in reasons:
         what.append(
             f"the gradient norm {_f(total)} is {total / facts['param_total']:.3g}x the norm of the weights "
             f"({_f(facts['param_total'])}; exploding_ratio={config.exploding_ratio:g})"
         )
-    if "spike" in reasons:
+    since = facts.get("since")
+    if "spike" in reasons and since is not None:
+        med = since["median"]
+        what.append(
+            f"the gradient norm jumped at step {since['step']} to {_f(since['total'])}, "
+            f"{since['total'] / med:.3g}x its median of {_f(med)} over the {since['n']} checked steps before, "
+            f"and has not fallen back since ({_f(total)} now)"
+        )
+    elif "spike" in reasons:
         med = facts["median"]
         what.append(
             f"the gradient norm jumped to {_f(total)}, {total / med:.3g}x its median of {_f(med)} over the "
@@ -275,11 +427,12 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         data={
             "reasons": reasons,
             "total_norm": total,
-            "median_norm": facts["median"],
+            "median_norm": since["median"] if since is not None else facts["median"],
             "param_norm": facts["param_total"],
             "optimizer": stats.optimizer_index,
             "overflow": list(facts["overflow"]),
             "table": [{"layer": k, "grad_norm": v} for k, v in top],
+            **({"since": since["step"]} if since is not None else {}),
         },
     )
 

@@ -10,6 +10,13 @@ by orders of magnitude wiggles far below where it started, and a hard batch of a
 a spike must climb back to half the starting loss). Waits for 20 losses of history; a
 persisting spike is reported once, and again only after 10 checked steps without one. Decreases never
 count.
+
+A spike that rises no higher above the median than ``RANGE_FACTOR`` x the highest loss of the run's first
+20 checked steps, of an earlier spike that fell back, or of the last ``window`` does is reported only if it
+has not fallen back to half its height within ``SETTLE`` checked losses: a DQN's target-network sync throws the loss back to where the run
+started, a sparse reward or a rare violated margin lifts a loss that is mostly exactly 0, a task sampled
+now and then has a larger loss scale; each falls back at the next step. A spike beyond that range (a
+corrupted batch, a divergence) is reported at its step.
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ _EARLY = EARLY_LOSS
 #: spike.
 _START = "loss_spike/start"
 START_FRACTION = 5e-2
+#: The highest of the run's first ``MIN_HISTORY`` checked losses, or of a later spike that fell back.
+_PEAK = "loss_spike/peak"
+#: A spike at most this many times as high above the median as the highest loss of the run's start or of
+#: the recent window is within the range the run has shown: judged by whether it falls back.
+RANGE_FACTOR = 2.0
+#: Checked losses a spike within that range has to fall back below ``1 / FALL`` of its height above the
+#: median; one that has not is reported then (a loss that stays up is no transient).
+SETTLE = 3
+FALL = 2.0
+#: The spike within the run's range that is waiting to fall back.
+_PENDING = "loss_spike/pending"
 
 
 @once_per_check
@@ -73,37 +91,83 @@ def _spiking(facts: tuple[float, float, float, int], config: Config) -> bool:
 
 def check(stats: Any, history: History, config: Config) -> list[Finding]:
     facts = _facts(stats, history)
-    if facts is None or not _spiking(facts, config):
+    if facts is None:
+        return []
+    pending = history.memory.get(_PENDING)
+    if isinstance(pending, dict):
+        # A spike within the run's range: reported when it has not fallen back after SETTLE checked losses,
+        # or at once when it rises RANGE_FACTOR x higher.
+        height = facts[0] - pending["median"]
+        if height > pending["height"] / FALL and (pending["left"] <= 1 or height > RANGE_FACTOR * pending["height"]):
+            stats.extra[_RECORD] = pending["height"]
+            stats.extra[_PENDING] = "reported"
+            return [_finding(stats, facts, pending)]
+    if not _spiking(facts, config):
         return []
     if any(_spiking(f, config) for f in history.memory.get(_KEY, ())):
         return []
-    loss, m, spread, n = facts
+    loss, m, _, _ = facts
     # Spikes of the same size recurring (a DQN's target-network sync): reported once; a later one only
     # when it rises RECORD_FACTOR x higher above the median than every spike reported before.
     size = loss - m  # in loss units: as the run settles its spread shrinks, a recurring jump does not
     record = history.memory.get(_RECORD)
     if isinstance(record, float) and size <= RECORD_FACTOR * record:
         return []
+    if pending is None and _within_range(facts, history):
+        stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+        return []
     stats.extra[_RECORD] = size
-    return [
-        Finding(
-            kind="loss_spike",
-            step=stats.step,
-            severity="warning",
-            message=(
-                f"Loss spike at step {stats.step}: the loss is {loss:.4g}, {(loss - m) / spread:.3g} robust spreads "
-                f"above its median of {m:.4g} over the last {n} checked steps (spread {spread:.3g}).\n"
-                "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
-                "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
-                "Fix: lower the learning rate or lengthen warm-up, clip gradients "
-                "(torch.nn.utils.clip_grad_norm_), and check this step's batch for bad samples or labels; "
-                "with mixed precision, check for overflow in the loss. (If the objective or the data changed "
-                "at this step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is "
-                "expected.)"
-            ),
-            data={"loss": loss, "median": m, "spread": spread, "optimizer": stats.optimizer_index},
+    return [_finding(stats, facts, None)]
+
+
+def _within_range(facts: tuple[float, float, float, int], history: History) -> bool:
+    """True for a loss at most RANGE_FACTOR x as high above the median as the highest loss of the run's
+    start or of the recent window (only asked about a step that already clears the spike threshold)."""
+    loss, m, _, _ = facts
+    peak = history.memory.get(_PEAK)
+    top = max(history.losses)
+    if isinstance(peak, float):
+        top = max(top, peak)
+    return loss - m <= RANGE_FACTOR * (top - m)
+
+
+def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str, Any] | None) -> Finding:
+    loss, m, spread, n = facts
+    if since is None:
+        what = (
+            f"Loss spike at step {stats.step}: the loss is {loss:.4g}, {(loss - m) / spread:.3g} robust spreads "
+            f"above its median of {m:.4g} over the last {n} checked steps (spread {spread:.3g})."
         )
-    ]
+    else:
+        m, spread = since["median"], since["spread"]
+        what = (
+            f"Loss spike at step {since['step']}: the loss rose to {since['loss']:.4g}, "
+            f"{since['height'] / spread:.3g} robust spreads above its median of {m:.4g} over the "
+            f"{since['n']} checked steps before (spread {spread:.3g}), and has not fallen back since "
+            f"({loss:.4g} at step {stats.step})."
+        )
+    return Finding(
+        kind="loss_spike",
+        step=stats.step,
+        severity="warning",
+        message=(
+            what + "\n"
+            "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
+            "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
+            "Fix: lower the learning rate or lengthen warm-up, clip gradients "
+            "(torch.nn.utils.clip_grad_norm_), and check this step's batch for bad samples or labels; "
+            "with mixed precision, check for overflow in the loss. (If the objective or the data changed "
+            "at this step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is "
+            "expected.)"
+        ),
+        data={
+            "loss": loss,
+            "median": m,
+            "spread": spread,
+            "optimizer": stats.optimizer_index,
+            **({"since": since["step"]} if since is not None else {}),
+        },
+    )
 
 
 def remember(stats: Any, history: History) -> None:
@@ -121,3 +185,25 @@ def remember(stats: Any, history: History) -> None:
             history.memory[_EARLY] = float(facts[1])
         if _START not in history.memory:
             history.memory[_START] = float(quantile(history.losses, 0.9))
+            history.memory[_PEAK] = float(max(history.losses))
+        note = stats.extra.get(_PENDING)
+        pending = history.memory.get(_PENDING)
+        if note == "new":
+            loss, m, spread, n = facts
+            history.memory[_PENDING] = {
+                "step": stats.step,
+                "loss": loss,
+                "median": m,
+                "spread": spread,
+                "n": n,
+                "height": loss - m,
+                "left": SETTLE,
+            }
+        elif isinstance(pending, dict):
+            if note == "reported" or facts[0] - pending["median"] <= pending["height"] / FALL:
+                del history.memory[_PENDING]
+                if note != "reported":  # fell back: a transient of a healthy run, now part of its range
+                    peak = history.memory.get(_PEAK)
+                    history.memory[_PEAK] = max(pending["loss"], peak) if isinstance(peak, float) else pending["loss"]
+            else:
+                pending["left"] -= 1
