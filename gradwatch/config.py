@@ -51,7 +51,9 @@ class Config:
         exploding_ratio: A total gradient norm more than this many times the total parameter norm is
             exploding even without history (e.g. at step 0). Default ``1e4``: healthy runs stay below about
             1 (a gradient step of lr x grad must be small next to the weights), and unscaled AMP gradients
-            (x65536 at most, times a healthy <= 0.1) still stay clear of it. ``None`` turns it off.
+            (x65536 at most, times a healthy <= 0.1) still stay clear of it. The parameter norm is the one of
+            that step, or the norm PyTorch's default init gives those weights when they are smaller (a
+            small init, N(0, 0.01), is not an explosion from step 0). ``None`` turns it off.
         spike_factor: The total gradient norm is spiking when it is more than this many times its median
             over the last ``window`` checked steps *and* more than 5 robust standard deviations (MAD)
             above it in log space; the loss is spiking when it is more than this many robust spreads
