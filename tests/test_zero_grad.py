@@ -781,3 +781,22 @@ def test_an_actor_loss_left_in_the_critics_gradient_is_found() -> None:
 
 def test_a_critic_cleared_before_its_own_backward_is_silent() -> None:
     assert [f.kind for f in _actor_critic(clear_before_critic=True) if f.severity != "info"] == []
+
+
+def test_an_optimizer_accumulating_over_another_ones_steps_on_one_shared_loss_is_silent() -> None:
+    # Must not flag: one loss for the whole model; the head's optimizer steps every step, the embedding's
+    # every 4 steps over its accumulated gradient (a slower update rate on purpose).
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(50, 8), nn.Linear(8, 1)
+    fast, slow = torch.optim.SGD(head.parameters(), lr=0.1), torch.optim.SGD(emb.parameters(), lr=0.1)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    with gradwatch.watch(model, [fast, slow], console=False) as gw:
+        for i in range(12):
+            loss = head(emb(torch.randint(0, 50, (16,)))).pow(2).mean()
+            loss.backward()
+            fast.step()
+            fast.zero_grad()
+            if i % 4 == 3:
+                slow.step()
+                slow.zero_grad()
+    assert not any(f.kind == "grads_span_other_step" for f in gw.findings)
