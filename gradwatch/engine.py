@@ -291,7 +291,7 @@ class Engine:
         ask = [by_name[n] for n in none if n in by_name and id(by_name[n]) not in known]
         if ask:
             esc = next((e for e in self.extensions if hasattr(e, "graph_leaves")), None)
-            leaves = esc.graph_leaves() if esc is not None else None
+            leaves = esc.graph_leaves(reached=True) if esc is not None else None
             if leaves is None:
                 return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
             reached = {id(v) for v in leaves}

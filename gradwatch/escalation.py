@@ -105,7 +105,9 @@ class _Call:
     tensor that is non-finite when the gradient was (read on an incident only).
     """
 
-    __slots__ = ("args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "losses", "held", "__weakref__")
+    __slots__ = (
+        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "__weakref__",
+    )
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
         self.args = args
@@ -117,6 +119,7 @@ class _Call:
         self.grads: dict[int, torch.Tensor] = {}
         self.sums: list[torch.Tensor] = []
         self.nodes: tuple[Any, ...] = ()
+        self.node_index: tuple[int, ...] = ()  # the output index of each node (its gradient's key in grads)
         self.losses: list[torch.Tensor] = []
         self.held = True
 
@@ -304,14 +307,15 @@ class Escalation:
         if isinstance(output, torch.Tensor):
             if output.requires_grad:
                 output.register_hook(functools.partial(call.set_grad, 0))
-                call.nodes = (output.grad_fn,)
+                call.nodes, call.node_index = (output.grad_fn,), (0,)
             return None
-        nodes = []
+        nodes, index = [], []
         for i, t in enumerate(_output_leaves(output)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(call.set_grad, i))
                 nodes.append(t.grad_fn)
-        call.nodes = tuple(nodes)
+                index.append(i)
+        call.nodes, call.node_index = tuple(nodes), tuple(index)
         return None
 
     def _on_loss(self, loss: torch.Tensor) -> None:
@@ -786,13 +790,19 @@ class Escalation:
                 out.append(var)
         return out
 
-    def graph_leaves(self, limit: int = 4096) -> list[torch.Tensor] | None:
+    def graph_leaves(self, limit: int = 4096, *, reached: bool = False) -> list[torch.Tensor] | None:
         """The leaf tensors (parameters) the step's model outputs were computed from: a walk of their graph
-        (at most ``limit`` nodes) that stops at the model's inputs. None when the step's graph is not held
-        (Lightning, a folded call). For checks on the first steps or on suspicious ones only."""
+        (at most ``limit`` nodes) that stops at the model's inputs. ``reached``: only from the outputs a
+        gradient arrived at in backward (an auxiliary output the loss ignores reaches nothing). None when
+        the step's graph is not held (Lightning, a folded call). For the first steps or suspicious ones."""
         if self.integration != "plain":
             return None
-        frontier = [n for c in self._calls for n in c.nodes if n is not None]
+        frontier = [
+            n
+            for c in self._calls
+            for n, i in zip(c.nodes, c.node_index or range(len(c.nodes)))
+            if n is not None and (not reached or (c.held and i in c.grads))
+        ]
         if not frontier:
             return None
         inputs = [t for c in self._calls for t in tree_leaves((c.args, c.kwargs)) if isinstance(t, torch.Tensor)]

@@ -1773,3 +1773,29 @@ def test_a_large_embedding_table_is_not_vanishing() -> None:
             loss.backward()
             opt.step()
     assert not any(f.kind == "vanishing_grad" for f in gw.findings), [f.message for f in gw.findings]
+
+
+def test_an_auxiliary_head_whose_output_the_loss_ignores_is_still_none_grad() -> None:
+    # The model returns (logits, aux); the loss uses logits only. The aux head is in the outputs' graph
+    # but backward never reaches it: it is unused, not a gradient dropped on purpose.
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head, self.aux = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.relu(self.body(x))
+            return self.head(h), self.aux(h)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(3):
+            logits, _aux = model(torch.randn(16, 8))
+            loss = logits.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "none_grad"]
+    assert f.step == 0 and set(f.params) == {"aux.weight", "aux.bias"}
