@@ -630,12 +630,13 @@ class Escalation:
         with torch.no_grad():
             counts = [_input_counts(t) for _n, t in named]
         rows = torch.stack(counts).tolist()
-        # An additive attention mask (0 where attended, -inf where masked: generate_square_subsequent_mask,
-        # a padding mask made float) holds -inf by design: not bad data.
+        # An additive attention mask or bias (0 or a finite bias where attended, -inf where masked:
+        # generate_square_subsequent_mask, a padding mask made float, ALiBi or a relative-position bias
+        # plus padding) holds -inf by design: not bad data. NaN or +inf is.
         return [
             (n, int(c[0]), int(c[1]))
             for (n, _t), c in zip(named, rows)
-            if (c[0] or c[1]) and not (c[0] == 0 and c[2] == 0 and c[3] == 0)
+            if c[0] or c[2]
         ]
 
     def _loop_tensors(self) -> list[tuple[str, int, int]]:
@@ -691,7 +692,7 @@ class Escalation:
         return [
             (f"{n} (in {where})", int(c[0]), int(c[1]))
             for (n, _t), c in zip(unique.values(), rows)
-            if (c[0] or c[1]) and not (c[0] == 0 and c[2] == 0 and c[3] == 0)
+            if c[0] or c[2]
         ]
 
     def _poisoned(self, *, buffers: bool) -> list[str]:
@@ -1370,11 +1371,13 @@ def _loop_input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
     return Finding(
         kind="nonfinite_input",
         step=step,
-        severity="error",
+        severity="warning",
         message=(
             f"The batch of step {step} holds non-finite values outside the model's inputs: {', '.join(parts[:6])}"
-            f"{' and more' if len(parts) > 6 else ''}. The model's forward pass was finite; the loss read this "
-            "tensor (a target, a per-sample weight or a mask), so the data, not the model, is the cause.\n"
+            f"{' and more' if len(parts) > 6 else ''}. The model's forward pass was finite and the NaN/Inf was "
+            "born in the loss code: if the loss reads this tensor (a NaN target, a per-sample weight), the "
+            "data, not the model, is the cause; if it is masked out by design (NaN padding removed with "
+            "torch.where), see the nan_origin finding of this step instead.\n"
             "Fix: find where the targets are built (missing values in the dataset, a label normalized by a "
             "zero std, a broken transform); filter or impute bad samples (e.g. mask = torch.isfinite(y); "
             "loss = loss_fn(out[mask], y[mask])), and assert torch.isfinite(y).all() in the data pipeline "

@@ -414,12 +414,15 @@ class ZeroGradTracker:
         if (
             len(self.trackers) > 1 and t.kept_passes >= 2 and 0 <= t.first_kept_at < t.accumulated_at
             and all(o.accumulated_at < t.accumulated_at for o in self.trackers if o is not t)
+            and any(o.accumulated_at == t.first_kept_at for o in self.trackers if o is not t)
         ):
             # The gradient holds passes from before another optimizer's step (and after it): that step's
             # backward also went through these parameters and nothing cleared them since. Its last pass
-            # reached no other optimizer: its own loss (a GAN's discriminator loss) on top of another's. A
-            # loss every optimizer shares, stepped at different rates on purpose (one optimizer
-            # accumulating over four of another's steps), reaches the others in its last pass too.
+            # reached no other optimizer: its own loss (a GAN's discriminator loss) on top of another's; and
+            # the other optimizer's latest pass is the one this gradient starts with (one graph through
+            # both). A loss every optimizer shares, stepped at different rates on purpose, reaches the others
+            # in its last pass too; a probe on detached features stepping every micro-batch while a backbone
+            # accumulates never reaches the backbone.
             facts["spans_other_step"] = True
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)

@@ -391,3 +391,14 @@ def test_usual_weight_decay_settings_are_not_flagged(make: Any) -> None:
     model = nn.Linear(4, 1)
     findings = _three_steps(model, make(list(model.parameters())))
     assert not any(f.kind == "weight_decay_too_large" for f in findings)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=10.0),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.5, weight_decay=2.0),
+])
+def test_coupled_l2_in_adaptive_optimizers_is_not_weight_decay_too_large(make: Any) -> None:
+    # Adam's or Adagrad's coupled L2 is normalized with the gradient: the weights do not flip and grow.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    assert not any(f.kind == "weight_decay_too_large" for f in _three_steps(model, make(list(model.parameters()))))

@@ -1799,3 +1799,56 @@ def test_an_auxiliary_head_whose_output_the_loss_ignores_is_still_none_grad() ->
             opt.step()
     (f,) = [f for f in gw.findings if f.kind == "none_grad"]
     assert f.step == 0 and set(f.params) == {"aux.weight", "aux.bias"}
+
+
+def test_nan_padding_masked_out_by_design_is_only_a_hedged_note_next_to_the_origin() -> None:
+    # Targets padded with NaN by design, removed with torch.where before the loss; the NaN of step 2 is
+    # log(var) with var underflowing to 0 in a Gaussian NLL. "The data is the cause" (an error) sent the user
+    # the wrong way: the loop's tensor is now a warning that points at the origin.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(3):
+            x, y = torch.randn(8, 4), torch.randn(8)
+            y[-2:] = float("nan")  # padding
+            mean, raw = model(x).unbind(1)
+            var = torch.exp(raw - (1e4 if step == 2 else 0.0))
+            target = torch.where(torch.isfinite(y), y, 0.0)
+            loss = (torch.log(var) + (target - mean) ** 2 / var)[:6].mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    kinds = {(f.kind, f.severity) for f in gw.findings if f.step == 2}
+    assert ("nan_origin", "error") in kinds and ("nonfinite_input", "error") not in kinds
+
+
+def test_an_attention_bias_with_minus_inf_padding_is_not_bad_data() -> None:
+    # An ALiBi-style distance bias (finite, non-zero) plus -inf key padding, passed to forward: only masks of
+    # zeros and -inf were recognized, so a NaN born in the loss was blamed on the data, with no origin.
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            a = (self.q(x) @ self.k(x).transpose(1, 2) + bias).softmax(-1)
+            return self.out(a @ x).mean(1)
+
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(3):
+            x, y = torch.randn(8, 5, 4), torch.randint(0, 3, (8,))
+            pad = torch.arange(5)[None, :] >= torch.randint(2, 6, (8,))[:, None]
+            dist = (torch.arange(5)[None, :] - torch.arange(5)[:, None]).abs().float()
+            bias = (-0.5 * dist)[None].expand(8, 5, 5).masked_fill(pad[:, None, :], float("-inf"))
+            p = (model(x, bias) * (1e4 if step == 2 else 1.0)).softmax(-1)
+            loss = -torch.log(p[torch.arange(8), y]).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not any(f.kind == "nonfinite_input" for f in gw.findings)
+    assert any(f.kind == "nan_origin" and f.step == 2 for f in gw.findings)

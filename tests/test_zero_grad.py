@@ -800,3 +800,24 @@ def test_an_optimizer_accumulating_over_another_ones_steps_on_one_shared_loss_is
                 slow.step()
                 slow.zero_grad()
     assert not any(f.kind == "grads_span_other_step" for f in gw.findings)
+
+
+def test_a_backbone_accumulating_next_to_an_online_probe_is_silent() -> None:
+    # Must not flag: an SSL backbone accumulating over 4 micro-batches next to a linear probe on detached
+    # features that steps every micro-batch (solo-learn / lightly "online linear eval"). The probe's loss
+    # never reaches the backbone.
+    torch.manual_seed(0)
+    backbone, probe = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8)), nn.Linear(8, 3)
+    opt_b, opt_p = torch.optim.SGD(backbone.parameters(), 0.05), torch.optim.SGD(probe.parameters(), 0.1)
+    model = nn.ModuleDict({"backbone": backbone, "probe": probe})
+    with gradwatch.watch(model, [opt_b, opt_p], console=False) as gw:
+        for it in range(12):
+            z = backbone(torch.randn(8, 6))
+            opt_p.zero_grad()
+            nn.functional.cross_entropy(probe(z.detach()), torch.randint(0, 3, (8,))).backward()
+            opt_p.step()
+            (z.pow(2).mean() / 4).backward()
+            if (it + 1) % 4 == 0:
+                opt_b.step()
+                opt_b.zero_grad()
+    assert not any(f.kind == "grads_span_other_step" for f in gw.findings)

@@ -1,12 +1,14 @@
 """``weight_decay_too_large``: a parameter group whose ``lr * weight_decay`` is 1 or more.
 
-Weight decay multiplies the weights by ``1 - lr * weight_decay`` each step (SGD, AdamW; coupled into the
-gradient for Adam): at 1 or more they flip sign and grow every step, so the run blows up within a few
-steps. It is almost always a typo (``weight_decay=5e2`` for ``5e-4``). Checked on every step until
+Weight decay multiplies the weights by ``1 - lr * weight_decay`` each step (SGD, AdamW, and optimizers with
+``decoupled_weight_decay=True``; Adam's or Adagrad's coupled L2 is normalized with the gradient and is left
+out): at 1 or more they flip sign and grow every step, so the run blows up within a few steps. It is almost always a typo (``weight_decay=5e2`` for ``5e-4``). Checked on every step until
 reported once per optimizer (a scheduler may raise the learning rate later): a loop over the groups.
 """
 
 from __future__ import annotations
+
+import torch
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding
@@ -22,7 +24,10 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     optimizer = stats.extra.get("optimizer")
     groups = getattr(optimizer, "param_groups", None) or ()
+    multiplicative = isinstance(optimizer, (torch.optim.SGD, torch.optim.AdamW))
     for i, group in enumerate(groups):
+        if not (multiplicative or group.get("decoupled_weight_decay")):
+            continue  # coupled L2 in an adaptive optimizer (Adam, Adagrad) is normalized with the gradient
         try:
             lr, wd = float(group.get("lr", 0.0)), float(group.get("weight_decay", 0.0))
         except (TypeError, ValueError):  # a tensor learning rate of several elements, a custom group

@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any, Iterator
 
-from gradwatch.findings import INCIDENT_KINDS, Finding, incident_panel
+from gradwatch.findings import INCIDENT_KINDS, SEVERITIES, Finding, incident_panel
 from gradwatch.report import host_rng_kept
 
 
@@ -58,7 +58,8 @@ class ConsoleReporter:
         shown = [f for f in findings if self._admit(f)]
         incident = [f for f in shown if f.kind in INCIDENT_KINDS]
         if len(incident) > 1:
-            head = min(incident, key=lambda f: INCIDENT_KINDS.index(f.kind))
+            # The most severe leads (a hedged "the batch also holds NaN" warning follows the error's origin).
+            head = min(incident, key=lambda f: (-SEVERITIES.index(f.severity), INCIDENT_KINDS.index(f.kind)))
             self.print(incident_panel(head, [f for f in incident if f is not head]))
         for f in shown:
             if len(incident) <= 1 or all(f is not g for g in incident):
