@@ -21,6 +21,7 @@ returns a :class:`Localization`.
 from __future__ import annotations
 
 import functools
+import math
 import linecache
 import os
 import re
@@ -538,6 +539,15 @@ class Localizer:
 
         loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
         loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
+        if (
+            not loc.forward_finite
+            and ops[-1][4] is not None
+            and not _bad(ops[-1][4])
+            and all(a is None or (not a[0] and a[5] < math.inf) for *_x, a in ops)
+        ):
+            # Only -inf, absorbed before the output (an additive attention mask or bias passed in, then
+            # softmaxed): a finite forward as far as a NaN born later is concerned.
+            loc.forward_finite = True
         found = _first_birth(
             [(intent, before, after) for _s, _n, intent, before, after in ops], [str(s.func) for s, *_r in ops]
         )
