@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gradwatch.findings import Finding, names_text
-from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, node_op
+from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op
 
 #: Autograd nodes visited at most when walking a graph (the error path only).
 MAX_NODES = 200_000
@@ -849,7 +849,7 @@ def _made_leaf(ctx: _Context) -> str | None:
     ``nn.Parameter`` (``pooled = torch.zeros(B, 8, requires_grad=True); pooled += h``), from the innermost
     frame of the user's code."""
     for frame in reversed(ctx.frames):
-        if str(frame.f_globals.get("__name__", "")).split(".")[0] in ("torch", "gradwatch"):
+        if library_frame(frame):
             continue
         line = linecache.getline(frame.f_code.co_filename, ctx.lines.get(id(frame), frame.f_lineno))
         for name, v in list(frame.f_locals.items()):
@@ -1028,10 +1028,9 @@ def _lightning_backward(ctx: _Context) -> bool:
     if ctx.tracer is None or ctx.tracer.integration != "lightning":
         return False
     for frame in reversed(ctx.frames):  # innermost first: the frame that called backward()
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.split(".")[0] in ("torch", "gradwatch"):
+        if library_frame(frame):
             continue
-        return module.startswith(("lightning.", "pytorch_lightning."))
+        return str(frame.f_globals.get("__name__", "")).startswith(("lightning.", "pytorch_lightning."))
     return False
 
 

@@ -80,10 +80,11 @@ from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
 from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
-from gradwatch.tracing import _is_compiled
+from gradwatch.tracing import _is_compiled, library_frame
 
-#: Top-level packages whose frames are not the training loop (the loop's frame is the first outside them).
-_FRAMEWORK = frozenset({"gradwatch", "torch", "functools", "contextlib", "typing", "accelerate"})
+#: Top-level packages besides torch whose frames stand between the training loop and an optimizer's step
+#: (the loop's frame is the first outside them).
+_WRAPPERS = ("accelerate", "contextlib")
 
 #: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
 MAX_CALLS = 64
@@ -187,6 +188,21 @@ def _input_counts(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(
         [torch.isnan(t).sum(), torch.isinf(t).sum(), torch.isposinf(t).sum(), (finite & (t != 0)).sum()]
     ).cpu()
+
+
+def _bad_data(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int]]:
+    """``(name, NaN count, Inf count)`` of the tensors that hold NaN or +Inf, each tensor once (the same
+    tensor fed to several forward calls, SAM's two passes). One sync; incident path only. An additive
+    attention mask or bias (0 or a finite bias where attended, -inf where masked: a causal mask, a padding
+    mask made float, ALiBi or a relative-position bias plus padding) holds -inf by design: not bad data."""
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for n, t in named:
+        unique.setdefault(id(t), (n, t))
+    if not unique:
+        return []
+    with torch.no_grad():
+        rows = torch.stack([_input_counts(t.detach()) for _n, t in unique.values()]).tolist()
+    return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(unique.values(), rows) if c[0] or c[2]]
 
 
 class _Batch:
@@ -619,25 +635,7 @@ class Escalation:
                 named += _named_tensors("batch", src.batch)
             else:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
-        named = [(n, t) for n, t in named if t.is_floating_point() or t.is_complex()]
-        # The same tensor fed to several forward calls of the step (SAM's two passes) is listed once.
-        unique: dict[int, tuple[str, torch.Tensor]] = {}
-        for n, t in named:
-            unique.setdefault(id(t), (n, t))
-        named = list(unique.values())
-        if not named:
-            return []
-        with torch.no_grad():
-            counts = [_input_counts(t) for _n, t in named]
-        rows = torch.stack(counts).tolist()
-        # An additive attention mask or bias (0 or a finite bias where attended, -inf where masked:
-        # generate_square_subsequent_mask, a padding mask made float, ALiBi or a relative-position bias
-        # plus padding) holds -inf by design: not bad data. NaN or +inf is.
-        return [
-            (n, int(c[0]), int(c[1]))
-            for (n, _t), c in zip(named, rows)
-            if c[0] or c[2]
-        ]
+        return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()])
 
     def _loop_tensors(self) -> list[tuple[str, int, int]]:
         """Tensors of this batch held by the training loop (the first frame outside gradwatch and torch:
@@ -654,8 +652,7 @@ class Escalation:
         for _ in range(64):
             if frame is None:
                 return []
-            module = str(frame.f_globals.get("__name__", ""))
-            if module.split(".")[0] not in _FRAMEWORK:
+            if not library_frame(frame, _WRAPPERS):
                 break
             frame = frame.f_back
         else:
@@ -681,19 +678,8 @@ class Escalation:
                 ):
                     continue
                 named.append((n, t))
-        unique: dict[int, tuple[str, torch.Tensor]] = {}
-        for n, t in named:
-            unique.setdefault(id(t), (n, t))
-        if not unique:
-            return []
-        with torch.no_grad():
-            rows = torch.stack([_input_counts(t.detach()) for _n, t in unique.values()]).tolist()
         where = f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{frame.f_lineno}"
-        return [
-            (f"{n} (in {where})", int(c[0]), int(c[1]))
-            for (n, _t), c in zip(unique.values(), rows)
-            if c[0] or c[2]
-        ]
+        return [(f"{n} (in {where})", nan, inf) for n, nan, inf in _bad_data(named)]
 
     def _poisoned(self, *, buffers: bool) -> list[str]:
         """Names of parameters (or buffers) that hold NaN/Inf themselves (one sync, incident path only)."""

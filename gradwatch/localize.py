@@ -21,8 +21,8 @@ returns a :class:`Localization`.
 from __future__ import annotations
 
 import functools
-import math
 import linecache
+import math
 import os
 import re
 import sys

@@ -69,7 +69,7 @@ def _owner(module: str) -> str:
     head, sep, _rest = module.partition(".parametrizations.")
     if sep:
         return head
-    return module[: -len(".parametrizations")] if module.endswith(".parametrizations") else module
+    return module.removesuffix(".parametrizations")
 
 
 def _module_wrappers(model: nn.Module) -> frozenset[str]:

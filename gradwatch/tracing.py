@@ -77,6 +77,14 @@ def func_name(func: Any) -> str:
     }.get(name, name)
 
 
+def library_frame(frame: Any, extra: tuple[str, ...] = ()) -> bool:
+    """A frame of torch's or gradwatch's own code (or of a top-level package in ``extra``), not the user's."""
+    fname = frame.f_code.co_filename
+    if fname.startswith((_TORCH_DIR, _OWN_DIR)):
+        return True
+    return bool(extra) and str(frame.f_globals.get("__name__", "")).split(".")[0] in extra
+
+
 def user_source(depth: int = 2, limit: int = 12) -> str | None:
     """``file:line`` of the nearest caller outside torch and gradwatch."""
     try:
@@ -86,9 +94,8 @@ def user_source(depth: int = 2, limit: int = 12) -> str | None:
     for _ in range(limit):
         if frame is None:
             return None
-        fname = frame.f_code.co_filename
-        if not fname.startswith(_TORCH_DIR) and not fname.startswith(_OWN_DIR):
-            return f"{fname}:{frame.f_lineno}"
+        if not library_frame(frame):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 

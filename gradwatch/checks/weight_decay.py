@@ -2,8 +2,10 @@
 
 Weight decay multiplies the weights by ``1 - lr * weight_decay`` each step (SGD, AdamW, and optimizers with
 ``decoupled_weight_decay=True``; Adam's or Adagrad's coupled L2 is normalized with the gradient and is left
-out): at 1 or more they flip sign and grow every step, so the run blows up within a few steps. It is almost always a typo (``weight_decay=5e2`` for ``5e-4``). Checked on every step until
-reported once per optimizer (a scheduler may raise the learning rate later): a loop over the groups.
+out): at 1 or more they flip sign and grow every step, so the run blows up within a few steps. It is almost
+always a typo (``weight_decay=5e2`` for ``5e-4``). Looked at on the first check and every ``EVERY`` steps
+after (a scheduler may raise the learning rate later), until reported once per optimizer: a loop over the
+groups.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from gradwatch.history import History
 from gradwatch.stats import StepStats
 
 _KEY = "weight_decay_too_large/{}"
+#: Steps between two looks at the groups after the first check.
+EVERY = 64
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     key = _KEY.format(stats.optimizer_index)
     if history.reported.get(key):
         return []
+    if stats.optimizer_index in history.last and stats.step % EVERY:
+        return []  # the first check, then every EVERY steps: a schedule moves the learning rate slowly
     optimizer = stats.extra.get("optimizer")
     groups = getattr(optimizer, "param_groups", None) or ()
     multiplicative = isinstance(optimizer, (torch.optim.SGD, torch.optim.AdamW))

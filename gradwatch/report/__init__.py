@@ -14,7 +14,8 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from gradwatch.findings import Finding
 
