@@ -212,7 +212,8 @@ def _gradwatch(wl: Workload, name: str, tmp: str, **config: Any) -> Variant:
     sink = io.StringIO()
     from rich.console import Console
 
-    gw = gradwatch.watch(model, opt, log_dir=log_dir, console=Console(file=sink, width=120, color_system=None), **config)
+    config = {"log_dir": log_dir, "console": Console(file=sink, width=120, color_system=None), **config}
+    gw = gradwatch.watch(model, opt, **config)
 
     def check_quiet() -> str | None:
         if gw.findings:
