@@ -78,6 +78,7 @@ class AmpMonitor:
         self._persistent_reported = False
         self._streak: dict[str, Any] | None = None
         self._hook: Any = None
+        self._scans = 0
         self._grad_ref: Any = None
         self._steps_at_last_cycle = -1
         self._version_at_step = 0
@@ -158,7 +159,12 @@ class AmpMonitor:
     def before_sync(self, ctx: Any) -> None:
         self._slots = {}
         if self.scaler is None and self.integration == "plain":
-            self.scaler = _scaler_in_stack()
+            # Looked for on the first checks, then every SCAN_EVERY-th (a stack walk costs ~20 us): a scaler
+            # created mid-run is found within that many steps. Its overflow steps never reach the optimizer's
+            # hooks, so until then only the scale's accounting waits, no check.
+            self._scans += 1
+            if self._scans <= SCAN_FIRST or self._scans % SCAN_EVERY == 0:
+                self.scaler = _scaler_in_stack()
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
             return
@@ -459,15 +465,34 @@ def _is_scaler(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
+#: Checks on which a plain loop's call stack is searched for a GradScaler: the first SCAN_FIRST, then every
+#: SCAN_EVERY-th.
+SCAN_FIRST = 16
+SCAN_EVERY = 32
+
+#: Code objects named like GradScaler's stepping methods, and whether their ``self`` was a GradScaler when
+#: first seen: a training loop's own ``step()`` is looked at once, not every step (``f_locals`` builds a dict).
+_STEP_CODES: dict[Any, bool] = {}
+
+
 def _scaler_in_stack(depth: int = 32) -> Any:
     """The GradScaler whose ``step()`` is calling the optimizer right now, if any."""
     frame: Any = sys._getframe(2)
+    codes = _STEP_CODES
     for _ in range(depth):
         if frame is None:
             return None
-        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
-            owner = frame.f_locals.get("self")
-            if _is_scaler(owner):
-                return owner
+        code = frame.f_code
+        if code.co_name in ("step", "_maybe_opt_step"):
+            known = codes.get(code)
+            if known is not False:
+                owner = frame.f_locals.get("self")
+                if _is_scaler(owner):
+                    codes[code] = True
+                    return owner
+                if known is None:
+                    if len(codes) >= 256:
+                        codes.clear()
+                    codes[code] = False
         frame = frame.f_back
     return None

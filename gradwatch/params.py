@@ -31,8 +31,10 @@ class OptimizerParams:
 
 
 #: Attributes that wrappers put between the user's modules (torch.compile, FSDP1, activation
-#: checkpointing); findings name the user's own module paths without them.
-_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+#: checkpointing, Lightning Fabric's ``fabric.setup(model)``); findings name the user's own module paths without them.
+_WRAPPER_SEGMENTS = frozenset(
+    {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module", "_original_module"}
+)
 #: Wrappers that hold the user's model as ``.module``.
 _MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel")
 

@@ -346,13 +346,24 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose ``step()`` applies the update, where a wrapper's own ``step()`` may not run:
-    SAM-style optimizers (``first_step``/``second_step`` around ``base_optimizer.step()``) and wrappers
+    SAM-style optimizers (``first_step``/``second_step`` around ``base_optimizer.step()``), Lightning Fabric's
+    optimizer wrapper, and wrappers
     that never ran ``Optimizer.__init__`` (no step hooks: some Lookahead ports, torch's own
     ``PostLocalSGDOptimizer`` keeping its optimizer in ``.optim``). Others stay as given."""
     for _ in range(4):  # wrappers of wrappers, bounded
         base = getattr(opt, "base_optimizer", None)
         if isinstance(base, torch.optim.Optimizer) and base is not opt:
             opt = base
+            continue
+        inner = getattr(opt, "optimizer", None)
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not opt
+            and getattr(inner, "_optimizer_step_pre_hooks", None) is getattr(opt, "_optimizer_step_pre_hooks", 0)
+        ):
+            # Lightning Fabric's optimizer (fabric.setup): a subclass of the user's optimizer class sharing its
+            # state and hook dicts, stepping the one it wraps. The hooks fire on that one: watch it.
+            opt = inner
             continue
         if not hasattr(opt, "_optimizer_step_pre_hooks"):
             inner = next(

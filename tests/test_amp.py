@@ -379,3 +379,27 @@ def test_float16_parameters_with_an_eps_float16_holds_are_updated_silently() -> 
     model, findings = _half_run(lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4), watched=True)
     assert findings == []
     assert all(torch.equal(a, b) for a, b in zip(bare.parameters(), model.parameters()))
+
+
+def test_scaler_created_mid_run_is_found_by_a_later_check() -> None:
+    """The plain loop's GradScaler is looked for on the first checks and then every SCAN_EVERY-th one
+    (a stack walk per step costs ~20 us): one created at step 40 is found, and its overflow steps are
+    no incident."""
+    from gradwatch.amp import SCAN_EVERY, AmpMonitor
+
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for step in range(40):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        (amp,) = [e for e in gw.engine.extensions if isinstance(e, AmpMonitor)]
+        assert amp.scaler is None
+        scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+        amp_loop(model, opt, scaler, SCAN_EVERY + 12)
+        assert amp.scaler is scaler
+    assert not [f for f in gw.findings if f.severity == "error"]
+    assert gw.engine.steps_skipped == 0
