@@ -162,6 +162,16 @@ class Watcher:
     def summary(self) -> RunSummary:
         return self.engine.summary()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, step numbers, recent history and findings, for a checkpoint (plain types only: loads
+        with ``torch.load(weights_only=True)``). ``fabric.save(path, {..., "gradwatch": gw})`` calls it."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: findings carry on from the saved step numbers, and a condition
+        reported before the checkpoint is not reported again."""
+        self.engine.load_state_dict(state_dict)
+
     def close(self) -> None:
         """Remove every hook, flush and close the reports, print the summary. Idempotent."""
         for h in self._handles:

@@ -67,3 +67,25 @@ def test_healthy_fabric_run_with_accumulation_is_quiet() -> None:
         fabric_loop(fabric, fmodel, fopt, 60, accumulate=4)
     assert gw.findings == []
     assert gw.engine.steps_checked == 60
+
+
+def test_fabric_checkpoint_holds_the_watcher_and_a_resumed_run_keeps_its_step_numbers(tmp_path) -> None:
+    """``fabric.save(path, {"model": ..., "optimizer": ..., "gradwatch": gw})`` raised "cannot pickle
+    '_thread.RLock'": the watcher had no state_dict, so Fabric pickled the whole object."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = net()
+    fmodel, fopt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    path = tmp_path / "ckpt.pt"
+    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+        fabric_loop(fabric, fmodel, fopt, 10)
+        fabric.save(path, {"model": fmodel, "optimizer": fopt, "gradwatch": gw})
+    assert path.exists()
+
+    fabric2 = L.Fabric(accelerator="cpu", devices=1)
+    model2 = net()
+    fmodel2, fopt2 = fabric2.setup(model2, torch.optim.Adam(model2.parameters(), lr=1e-3))
+    with gradwatch.watch(fmodel2, fopt2, console=text_console()) as gw2:
+        fabric2.load(path, {"model": fmodel2, "optimizer": fopt2, "gradwatch": gw2})
+        assert gw2.engine.steps_checked == 10
+        fabric_loop(fabric2, fmodel2, fopt2, 5, nan_at=1)
+    assert [(f.kind, f.step) for f in gw2.findings if f.kind == "nonfinite_grad"] == [("nonfinite_grad", 11)]
