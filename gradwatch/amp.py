@@ -22,7 +22,10 @@ step's statistics):
   overflow steps in between are counted from the scale: each one multiplies it by the backoff factor
   (the growth tracker says whether the last update grew it first). A NaN/Inf loss observed on such a
   step is a real incident, reported at that step (``nonfinite_loss``, localized), and never held
-  against the healthy step that follows.
+  against the healthy step that follows. With several optimizers sharing the scaler (a GAN), a check
+  takes as its own only as many of the last observed losses as that optimizer's checks observe when
+  nothing was dropped (none for G when only D's loss is observed), and the dropped step is named as the
+  optimizer usually checked before it.
   The scaler is the one handed to ``watch(..., scaler=scaler)``, or else the one whose ``step()`` is
   found calling the optimizer. Those steps count as optimizer steps (as in Lightning's
   ``global_step``), so step numbers match the loop's iterations. Fused optimizers are stepped on every
@@ -84,6 +87,13 @@ class AmpMonitor:
         self._version_at_step = 0
         self._cleared_since_step = False
         self._unstepped = 0
+        # Per optimizer: how many losses its last check observed when the scaler dropped no step before it,
+        # i.e. how many of the losses observed since the previous check are its step's own.
+        self._own_losses: dict[int, int] = {}
+        # Which optimizer was checked right before each one when nothing was dropped in between: with several
+        # optimizers, a step dropped since the last check is that optimizer's (a GAN's D, before G).
+        self._checked_before: dict[int, int] = {}
+        self._last_checked: int | None = None
 
     def attach(self, engine: Any) -> None:
         self._engine = engine
@@ -222,6 +232,12 @@ class AmpMonitor:
         hidden = self._hidden_overflows(scale, tracker) if self.integration == "plain" else 0
         self._last_scale, self._last_tracker, self._last_was_overflow = scale, tracker, overflow_here
         backoff = scaler_backoff(self.scaler)
+        index, last, self._last_checked = stats.optimizer_index, self._last_checked, stats.optimizer_index
+        if not hidden:
+            slot = ctx.slots.get("loss", -1)
+            self._own_losses[index] = len(values[slot]) if slot >= 0 else 0
+            if last is not None:
+                self._checked_before[index] = last
         if hidden:
             first = stats.step
             if len(self._engine.optimizers) == 1:
@@ -232,11 +248,13 @@ class AmpMonitor:
             dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
             self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale,
                               loss_nonfinite=dropped_loss is not None)
+            usual = self._checked_before.get(index, last)
+            owner = usual if hidden == 1 and usual is not None and usual != last else index
             if dropped_loss is not None:
-                self._report_dropped_loss(stats, *dropped_loss)
+                self._report_dropped_loss(stats, *dropped_loss, optimizer=owner)
             elif self._dropped_batch_nonfinite():
                 # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
-                self._report_dropped_loss(stats, first, math.nan, batch_only=True)
+                self._report_dropped_loss(stats, first, math.nan, batch_only=True, optimizer=owner)
         if overflow_here:
             loss_nonfinite, loss = stats.loss_nonfinite, stats.loss
             _blank(stats)
@@ -256,23 +274,29 @@ class AmpMonitor:
 
     def _loss_of_dropped_steps(self, ctx: Any, values: Any, first: int, hidden: int) -> tuple[int, float] | None:
         """``(step, loss)`` when a non-finite loss observed since the last check belongs to the steps the
-        scaler dropped, not to this one: this step's gradients and its own (last) loss are finite. Its
-        flag is taken off this step, whose update is healthy and must go through."""
+        scaler dropped, not to this one: this step's gradients and its own losses are finite. Its flag is
+        taken off this step, whose update is healthy and must go through.
+
+        This step's own losses are the last ones observed: one with a single optimizer; with several, as
+        many as this optimizer's last check saw when nothing was dropped before it. A GAN that observes
+        only D's loss observes none for G: a NaN D loss on D's dropped step is never G's."""
         stats: StepStats = ctx.stats
         slot = ctx.slots.get("loss", -1)
         current = values[slot] if slot >= 0 else []
         stale = list(stats.extra.get("stale_losses") or ())  # losses of backward passes whose gradients were cleared
-        losses = stale + current
-        bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-        if bad is None or stats.nonfinite or (current and not math.isfinite(current[-1])):
+        own = 1 if len(self._engine.optimizers) == 1 else self._own_losses.get(stats.optimizer_index, 1)
+        split = len(current) - min(own, len(current))
+        mine, dropped = current[split:], stale + current[:split]
+        bad = next((i for i, v in enumerate(dropped) if not math.isfinite(v)), None)
+        if bad is None or stats.nonfinite or not all(math.isfinite(v) for v in mine):
             return None
-        # One observed loss per iteration maps each to its step; otherwise the first dropped step.
-        step = first + bad if len(losses) == hidden + 1 else first
+        # One observed loss per dropped step maps each to its step; otherwise the first dropped step.
+        step = first + bad if len(dropped) == hidden else first
         stats.extra.pop("stale_losses", None)  # reported here, with its step
         if current:
             stats.loss_nonfinite = False
-            stats.loss = current[-1]
-        return step, losses[bad]
+            stats.loss = sum(mine) / len(mine) if mine else None
+        return step, dropped[bad]
 
     def _dropped_batch_nonfinite(self) -> bool:
         """Whether a batch held since the last check (the scaler's dropped steps included) holds NaN/Inf.
@@ -285,11 +309,13 @@ class AmpMonitor:
             return False
 
     def _report_dropped_loss(self, stats: StepStats, step: int, loss: float, engine: Any = None,
-                             localize: bool = True, batch_only: bool = False) -> None:
+                             localize: bool = True, batch_only: bool = False, optimizer: int | None = None) -> None:
         """A NaN/Inf loss (or batch) on a step the scaler dropped: a real incident (scaling never makes the
-        unscaled loss non-finite), reported at its own step and localized like any other."""
+        unscaled loss non-finite), reported at its own step (of ``optimizer``, the dropped step's when
+        known) and localized like any other."""
         engine = engine or self._engine
-        at = StepStats(step=step, optimizer_index=stats.optimizer_index, loss=loss, loss_nonfinite=True)
+        optimizer = stats.optimizer_index if optimizer is None else optimizer
+        at = StepStats(step=step, optimizer_index=optimizer, loss=loss, loss_nonfinite=True)
         what = (
             f"The gradients of step {step} were non-finite and its batch holds NaN/Inf (the loss was not "
             "observed)"
@@ -307,7 +333,7 @@ class AmpMonitor:
                 "log/sqrt/division of zero or negative values in the loss, add an epsilon (e.g. "
                 "torch.log(x + 1e-8)), clamp logits, or check the batch for NaN/Inf."
             ),
-            data={"loss": loss, "optimizer": stats.optimizer_index, "dropped_by_scaler": True},
+            data={"loss": loss, "optimizer": optimizer, "dropped_by_scaler": True},
         )
         more = engine._incident(at, [finding]) if localize else []
         for f in [finding, *more]:

@@ -403,3 +403,77 @@ def test_scaler_created_mid_run_is_found_by_a_later_check() -> None:
         assert amp.scaler is scaler
     assert not [f for f in gw.findings if f.severity == "error"]
     assert gw.engine.steps_skipped == 0
+
+
+# -- several optimizers sharing one scaler (a GAN) -----------------------------------------------------
+def _gan_scaler_loop(watched: bool, steps: int, *, nan_real_at: int | None = None, observe_g: bool = False,
+                     fp16: bool = False, init_scale: float = 1024.0) -> tuple[Any, list[bool], torch.Tensor]:
+    """DCGAN-style loop: one watcher over ``ModuleDict{G, D}`` with ``[opt_d, opt_g]``, one GradScaler stepped
+    and updated per optimizer (as Fabric's "16-mixed" does); ``errD`` is observed (``errG`` too if asked).
+    Returns the watcher, whether G's update was applied at each iteration, and every weight at the end."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=100)
+    gw = gradwatch.watch(nn.ModuleDict({"G": G, "D": D}), [opt_d, opt_g], console=text_console()) if watched else None
+    crit = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(1)
+    g_applied = []
+
+    def step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for it in range(steps):
+        real, noise = torch.randn(16, 8, generator=g).tanh(), torch.randn(16, 4, generator=g)
+        if it == nan_real_at:
+            real[0, 0] = float("nan")
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            D.zero_grad()
+            out, fake = D(real).float(), G(noise)
+            out2 = D(fake.detach()).float()
+            err_d = crit(out, torch.ones_like(out)) + crit(out2, torch.zeros_like(out2))
+        if gw is not None:
+            gw.observe_loss(err_d)
+        step(opt_d, err_d)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            G.zero_grad()
+            out3 = D(fake).float()
+            err_g = crit(out3, torch.ones_like(out3))
+        if gw is not None and observe_g:
+            gw.observe_loss(err_g)
+        before = [p.detach().clone() for p in G.parameters()]
+        step(opt_g, err_g)
+        g_applied.append(any(not torch.equal(b, p) for b, p in zip(before, G.parameters())))
+    if gw is not None:
+        gw.close()
+    return gw, g_applied, torch.cat([p.detach().flatten() for p in [*G.parameters(), *D.parameters()]])
+
+
+@pytest.mark.parametrize("observe_g", [False, True], ids=["errD-observed", "both-observed"])
+def test_gan_nan_batch_dropped_for_d_by_a_shared_scaler_never_skips_g(observe_g: bool) -> None:
+    # Reported by a tester: GAN, one watcher over {G, D} with [opt_d, opt_g] and one GradScaler, only errD
+    # observed; a NaN real batch made the scaler drop D's step, and gradwatch held D's NaN loss against G's
+    # healthy update and skipped it ("every gradient is finite"): the watched run diverged.
+    _, applied_ref, ref = _gan_scaler_loop(False, 8, nan_real_at=5)
+    gw, applied, got = _gan_scaler_loop(True, 8, nan_real_at=5, observe_g=observe_g)
+    assert applied == applied_ref == [True] * 8  # G's update at 5 went through, as without gradwatch
+    assert torch.equal(ref, got)
+    assert gw.engine.steps_skipped == 0
+    (loss,) = [f for f in gw.findings if f.kind == "nonfinite_loss"]
+    assert (loss.step, loss.data["optimizer"], loss.data["dropped_by_scaler"]) == (5, 0, True)  # D's dropped step
+    assert not [f for f in gw.findings if f.severity == "error" and f.step != 5], kinds(gw.findings)
+
+
+@pytest.mark.parametrize("observe_g", [False, True], ids=["errD-observed", "both-observed"])
+def test_healthy_fp16_gan_with_calibration_overflows_under_a_shared_scaler_is_quiet(observe_g: bool) -> None:
+    # Must not flag: the scaler's first steps overflow (init_scale 2**24) for D and G alike.
+    _, _, ref = _gan_scaler_loop(False, 24, fp16=True, init_scale=CALIBRATION)
+    gw, _, got = _gan_scaler_loop(True, 24, fp16=True, init_scale=CALIBRATION, observe_g=observe_g)
+    assert torch.equal(ref, got)
+    assert gw.engine.steps_skipped == 0
+    assert [f.kind for f in gw.findings if f.severity != "info"] == [], kinds(gw.findings)
+    assert any(f.kind == "amp_overflow" for f in gw.findings)  # overflow steps did happen
