@@ -829,7 +829,14 @@ class Engine:
         bad_loss, bad, counts, total = self._nonfinite_now(list(range(len(self.index.per_optimizer))), self._losses)
         if bad_loss is None and not bad:
             return None
+        observed = bool(self._losses)
         self.drop_losses()
+        amp = next((e for e in self.extensions if hasattr(e, "raised_on_overflow")), None)
+        if amp is not None and bad_loss is None:
+            # A GradScaler's overflow (Inf of the scaled backward) is no NaN incident: say so, and how to clip.
+            overflow = amp.raised_on_overflow(exc, step, bad, counts, total, observed)
+            if overflow is not None:
+                return overflow
         return nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, total)
 
     # -- end ---------------------------------------------------------------------------------------

@@ -637,6 +637,14 @@ class Escalation:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
         return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()])
 
+    def _output_nan(self) -> bool:
+        """Whether a held output gradient of the step holds NaN: the loss (or the loss code) was NaN. A
+        gradient scaler multiplies a finite output gradient, which may overflow to Inf but never turns NaN.
+        Plain loop only; a read per output gradient, exception path only."""
+        grads = [g.detach() for c in self._calls for g in c.grads.values() if isinstance(g, torch.Tensor)]
+        with torch.no_grad():
+            return any(bool(torch.isnan(torch.view_as_real(g) if g.is_complex() else g).any()) for g in grads)
+
     def _loop_tensors(self) -> list[tuple[str, int, int]]:
         """Tensors of this batch held by the training loop (the first frame outside gradwatch and torch:
         ``y`` in ``loss = loss_fn(model(x), y)``) that hold NaN/Inf: a target, a per-sample weight or mask
