@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 
-from gradwatch.findings import Finding
+from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.stats import StepStats, layer_norms, total_norm
+from gradwatch.tracing import library_frame
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
 PERSISTENT_STEPS = 8
@@ -339,6 +340,94 @@ class AmpMonitor:
         for f in [finding, *more]:
             engine.add_finding(f)
 
+    # -- an exception on an overflow step ----------------------------------------------------------
+    def raised_on_overflow(
+        self,
+        exc: BaseException,
+        step: int,
+        bad_params: list[str],
+        counts: tuple[dict[str, int], dict[str, int]],
+        total_params: int,
+        loss_observed: bool,
+    ) -> Finding | None:
+        """The training code raised on non-finite gradients before any step (``clip_grad_norm_(...,
+        error_if_nonfinite=True)``, Fabric's ``clip_gradients`` by default) and they are a gradient
+        scaler's overflow: the backward was scaled (not unscaled yet, or ``unscale_`` found Inf), the loss
+        (when observed), the batch and the model's output gradient are finite. ``scaler.step()`` would have
+        dropped the update; the raise ended the run instead. None when that is not sure: a NaN/Inf loss or
+        batch is a real incident, explained as one. Exception path only (a few syncs)."""
+        engine = self._engine
+        if engine is None or not bad_params:
+            return None
+        scaler = self.scaler or _scaler_on_traceback(exc, engine.optimizers)
+        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+            return None
+        unscaled = False
+        for op in engine.index.per_optimizer:
+            if op.optimizer is None or not any(n in bad_params for n in op.names):
+                continue
+            state = scaler._per_optimizer_states.get(id(op.optimizer))
+            stage = getattr(state.get("stage") if state else None, "name", "READY")
+            if stage == "UNSCALED":
+                found = state["found_inf_per_device"]
+                if not found or not sum(float(t.sum()) for t in found.values()):
+                    return None  # finite when unscaled: made non-finite after, not by the scaling
+                unscaled = True
+            elif stage != "READY":
+                return None
+        esc: Any = next((e for e in engine.extensions if hasattr(e, "_nonfinite_inputs")), None)
+        inputs_seen = esc is not None and esc.active
+        if inputs_seen and (esc._nonfinite_inputs() or esc._output_nan()):
+            return None  # NaN/Inf data, or a NaN loss: scaling never makes those
+        nan, inf = counts
+        scale = float(scaler._scale.float().item())
+        text = str(exc).strip()
+        first = text.splitlines()[0].split(". ")[0].rstrip(".")[:160] if text else ""
+        fabric = _on_traceback(exc, "clip_gradients", "lightning")
+        clipping = fabric or "error_if_nonfinite" in str(exc) or _on_traceback(exc, "clip_grad_norm_", "torch")
+        seen = [w for w, known in (("loss", loss_observed), ("batch", inputs_seen)) if known]
+        finite = f"; the {' and the '.join(seen)} {'were' if len(seen) > 1 else 'was'} finite" if seen else ""
+        if fabric:
+            fix = (
+                "fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False): it unscales "
+                "first, and the optimizer step skips an overflow step by itself."
+            )
+        elif clipping:
+            fix = (
+                "scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=False), "
+                "then scaler.step(optimizer): it skips the step when the gradients are non-finite."
+            )
+            if not unscaled:
+                fix += " The gradients were still scaled when clipped: unscale_ before clipping, or max_norm "
+                fix += f"applies to gradients {scale:g} times too large."
+        else:
+            fix = "do not stop on non-finite gradients under a GradScaler: scaler.step(optimizer) skips those steps."
+        return Finding(
+            kind="amp_overflow",
+            step=step,
+            severity="error",
+            message=(
+                f"At step {step} the training code stopped with {type(exc).__name__} (\"{first}\") on the "
+                "gradient scaler's overflow, a normal event, not a NaN incident: "
+                f"{len(bad_params)} of {total_params} gradients of the scaled backward (loss scale {scale:g}) held "
+                f"{sum(nan.values())} NaN, {sum(inf.values())} Inf ({names_text(bad_params)}){finite}.\n"
+                "Why it matters: at the start of fp16 training the scaler overflows a few times while it finds "
+                "its scale, and scaler.step() drops such an update and lowers the scale; raising on it ends a "
+                "healthy run.\n"
+                f"Fix: {fix}"
+            ),
+            params=tuple(bad_params),
+            data={
+                "raised": type(exc).__name__,
+                "scale": scale,
+                "unscaled": unscaled,
+                "loss_observed": loss_observed,
+                "inputs_checked": inputs_seen,
+                "nan_counts": dict(nan),
+                "inf_counts": dict(inf),
+            },
+        )
+
     def _grow_streak(self, first: int, n: int, *, before: float, after: float, loss_nonfinite: bool = False) -> None:
         """Consecutive overflow steps are reported together, once the streak ends (or persists)."""
         self.overflow_steps += n
@@ -499,6 +588,43 @@ SCAN_EVERY = 32
 #: Code objects named like GradScaler's stepping methods, and whether their ``self`` was a GradScaler when
 #: first seen: a training loop's own ``step()`` is looked at once, not every step (``f_locals`` builds a dict).
 _STEP_CODES: dict[Any, bool] = {}
+
+
+def _scaler_on_traceback(exc: BaseException, optimizers: list[Any], depth: int = 64) -> Any:
+    """A GradScaler held by a frame of ``exc``'s traceback (exception path only): a variable of the user's
+    code (the loop's ``scaler``, local or global), or the ``scaler`` of a frame's ``self`` or of its
+    precision plugin (Fabric, its strategy, Lightning's plugin). One that unscaled a watched optimizer
+    first."""
+    found: list[Any] = []
+    tb = exc.__traceback__
+    for _ in range(depth):
+        if tb is None:
+            break
+        frame = tb.tb_frame
+        values = list(frame.f_locals.values())
+        if not library_frame(frame):
+            values += list(frame.f_globals.values())  # a script's module-level scaler, used in a function
+        owner = frame.f_locals.get("self")
+        try:
+            for holder in (owner, getattr(owner, "precision", None), getattr(owner, "_precision", None)):
+                values.append(getattr(holder, "scaler", None))
+        except Exception:  # noqa: BLE001, S110 - a property that fails: no scaler there
+            pass
+        found += [v for v in values if _is_scaler(v) and all(v is not s for s in found)]
+        tb = tb.tb_next
+    ids = {id(o) for o in optimizers}
+    return next((s for s in found if ids & set(s._per_optimizer_states)), found[0] if found else None)
+
+
+def _on_traceback(exc: BaseException, function: str, package: str) -> bool:
+    """Whether ``package``'s ``function`` is on ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(package):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _scaler_in_stack(depth: int = 32) -> Any:

@@ -810,27 +810,40 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
-            if finding is None:
-                finding = self._unchecked_nonfinite(exc, s)
+            found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None
-        if finding is not None:
-            self.add_finding(finding)
+        for f in found:
+            self.add_finding(f)
+        finding = found[0] if found else None
         self._explained = (key, finding)
         return finding
 
-    def _unchecked_nonfinite(self, exc: BaseException, step: int) -> Finding | None:
+    def _unchecked_nonfinite(self, exc: BaseException, step: int) -> list[Finding]:
         """The training code raised before gradwatch checked the step (``clip_grad_norm_`` with
-        ``error_if_nonfinite=True``, a user's own NaN assert): a NaN/Inf it met is still named (the error
-        path: a few syncs)."""
+        ``error_if_nonfinite=True``, a user's own NaN assert): a NaN/Inf it met is still named, then localized
+        like a checked step's (the error path: a few syncs, a replay)."""
         from gradwatch.checks import nonfinite
 
         bad_loss, bad, counts, total = self._nonfinite_now(list(range(len(self.index.per_optimizer))), self._losses)
         if bad_loss is None and not bad:
-            return None
+            return []
+        observed = bool(self._losses)
         self.drop_losses()
-        return nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, total)
+        amp = next((e for e in self.extensions if hasattr(e, "raised_on_overflow")), None)
+        if amp is not None and bad_loss is None:
+            # A GradScaler's overflow (Inf of the scaled backward) is no NaN incident: say so, and how to clip.
+            overflow = amp.raised_on_overflow(exc, step, bad, counts, total, observed)
+            if overflow is not None:
+                return [overflow]
+        finding = nonfinite.raised_before_check(step, exc, bad_loss, bad, counts, total)
+        # The pre-step hook that localizes an incident never ran: localize it here, the same way (the NaN
+        # batch named as nonfinite_input, or the op as nan_origin). The exception itself is left as it is.
+        stats = StepStats(step=step, loss=bad_loss, loss_nonfinite=bad_loss is not None, nonfinite=tuple(bad),
+                          nan_counts=dict(counts[0]), inf_counts=dict(counts[1]))
+        stats.extra["raised"] = type(exc).__name__
+        return [finding, *self._incident(stats, [finding])]
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:

@@ -545,6 +545,8 @@ class Escalation:
                     )
                 return out
             self._poison_reported = False
+            if stats.extra.get("raised") and self.integration != "plain":
+                return out  # the training code raised: training_step is not replayed in a failing Trainer
             result = self._localize()
             if result is not None and self._culprit is not None:
                 losses = getattr(self._culprit, "losses", ())
@@ -636,6 +638,14 @@ class Escalation:
             else:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
         return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()])
+
+    def _output_nan(self) -> bool:
+        """Whether a held output gradient of the step holds NaN: the loss (or the loss code) was NaN. A
+        gradient scaler multiplies a finite output gradient, which may overflow to Inf but never turns NaN.
+        Plain loop only; a read per output gradient, exception path only."""
+        grads = [g.detach() for c in self._calls for g in c.grads.values() if isinstance(g, torch.Tensor)]
+        with torch.no_grad():
+            return any(bool(torch.isnan(torch.view_as_real(g) if g.is_complex() else g).any()) for g in grads)
 
     def _loop_tensors(self) -> list[tuple[str, int, int]]:
         """Tensors of this batch held by the training loop (the first frame outside gradwatch and torch:

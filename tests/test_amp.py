@@ -477,3 +477,55 @@ def test_healthy_fp16_gan_with_calibration_overflows_under_a_shared_scaler_is_qu
     assert gw.engine.steps_skipped == 0
     assert [f.kind for f in gw.findings if f.severity != "info"] == [], kinds(gw.findings)
     assert any(f.kind == "amp_overflow" for f in gw.findings)  # overflow steps did happen
+
+
+# -- clip_grad_norm_(error_if_nonfinite=True) on the scaler's overflow ---------------------------------
+def clip_loop(model: nn.Module, opt: Any, scaler: Any, steps: int, gw: Any, *, unscale: bool = True,
+              nan_batch_at: int | None = None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=g)
+        if step == nan_batch_at:
+            x[0, 0] = float("nan")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        gw.observe_loss(loss)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        scaler.step(opt)
+        scaler.update()
+
+
+# A known pitfall (Lightning PR #16715 review, lightly-ai/lightly-train#255): clipping with
+# error_if_nonfinite=True crashes fp16 training on the GradScaler's normal first overflow.
+@pytest.mark.parametrize("how", ["scaler-handed", "scaler-on-traceback", "clipped-before-unscale"])
+def test_clip_raising_on_the_scalers_first_overflow_is_explained_as_the_overflow(how: str) -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
+    # Not handed: the overflow comes before any scaler.step() could show it; the loop's variable is found.
+    extra = {"scaler": scaler} if how == "scaler-handed" else {}
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped") as raised:
+        with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+            clip_loop(model, opt, scaler, 4, gw, unscale=how != "clipped-before-unscale")
+    assert raised.value.__traceback__ is not None and "error_if_nonfinite=False" in str(raised.value)  # untouched
+    (f,) = gw.findings
+    assert (f.kind, f.severity, f.step) == ("amp_overflow", "error", 0)
+    assert f.data["raised"] == "RuntimeError" and f.data["scale"] == CALIBRATION
+    assert "overflow" in f.message and "error_if_nonfinite=False" in f.message and "scaler.unscale_" in f.message
+    assert "log/sqrt" not in f.message
+    assert ("still scaled" in f.message) == (how == "clipped-before-unscale")
+
+
+def test_clip_raising_on_a_nan_batch_under_a_scaler_is_not_called_an_overflow() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with pytest.raises(RuntimeError, match="cannot be clipped"):
+        with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+            clip_loop(model, opt, scaler, 6, gw, nan_batch_at=3)
+    assert "amp_overflow" not in gw.summary().kind_counts
+    assert kinds(gw.findings) == [("nonfinite_grad", 3), ("nonfinite_input", 3)]  # the batch is named

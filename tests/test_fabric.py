@@ -89,3 +89,27 @@ def test_fabric_checkpoint_holds_the_watcher_and_a_resumed_run_keeps_its_step_nu
         assert gw2.engine.steps_checked == 10
         fabric_loop(fabric2, fmodel2, fopt2, 5, nan_at=1)
     assert [(f.kind, f.step) for f in gw2.findings if f.kind == "nonfinite_grad"] == [("nonfinite_grad", 11)]
+
+
+# A known pitfall (Lightning PR #16715 review, lightly-ai/lightly-train#255): fabric.clip_gradients (whose
+# error_if_nonfinite is True by default) crashes "16-mixed" training on the GradScaler's normal first overflow.
+def test_fabric_clip_gradients_raising_on_the_scalers_overflow_is_explained_as_the_overflow() -> None:
+    from lightning.fabric.plugins.precision.amp import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # a CPU scaler stands in for a GPU's
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=MixedPrecision("16-mixed", "cpu", scaler=scaler))
+    model = net()
+    fmodel, fopt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(RuntimeError, match="cannot be clipped"):
+        with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+            for _ in range(4):
+                x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+                loss = nn.functional.mse_loss(fmodel(x).float(), y)
+                fopt.zero_grad()
+                fabric.backward(loss)
+                fabric.clip_gradients(fmodel, fopt, max_norm=1.0)
+                fopt.step()
+    (f,) = gw.findings
+    assert (f.kind, f.severity, f.step) == ("amp_overflow", "error", 0)
+    assert "fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False)" in f.message

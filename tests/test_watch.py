@@ -738,10 +738,39 @@ def test_clip_grad_norm_raising_on_a_nan_step_is_named_and_the_error_kept():
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
                 opt.step()
-    (f,) = [f for f in gw.findings if f.severity == "error"]
+    f, origin = gw.findings
     assert (f.kind, f.step, f.data["raised"]) == ("nonfinite_grad", 3, "RuntimeError")
     assert "the loss was nan" in f.message and "before the optimizer step" in f.message
-    assert gw.summary().kind_counts == {"nonfinite_grad": 1}
+    # Localized as a checked step would be: born in the loss code, outside the model.
+    assert (origin.kind, origin.step, origin.data["phase"]) == ("nan_origin", 3, "loss")
+    assert gw.summary().kind_counts == {"nonfinite_grad": 1, "nan_origin": 1}
+
+
+# The tester's s05b scenario: clip_grad_norm_(error_if_nonfinite=True) raises on a NaN batch; the batch is named
+# as on a checked step, and the user's exception is the one torch raised (type, message, traceback).
+@pytest.mark.parametrize("observed", [True, False])
+def test_clip_grad_norm_raising_on_a_nan_batch_names_the_batch(observed: bool):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as raised:
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for step, x in enumerate(batches(6)):
+                if step == 4:
+                    x[0, 0] = float("nan")
+                loss = model(x).pow(2).mean()
+                if observed:
+                    gw.observe_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+                opt.step()
+    assert str(raised.value).startswith("The total norm of order 2.0 for gradients from `parameters` is non-finite")
+    assert raised.traceback[-1].path.name == "clip_grad.py"  # raised where torch raised it
+    assert [(f.kind, f.step) for f in gw.findings] == [("nonfinite_grad", 4), ("nonfinite_input", 4)]
+    (f,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert f.data["inputs"] == [{"input": "args[0]", "nan": 1, "inf": 0}]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_users_own_nan_check_raising_is_named_at_its_step():
