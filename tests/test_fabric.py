@@ -227,6 +227,7 @@ def test_inplace_error_in_fabric_training_step_is_traced_to_its_line() -> None:
     (finding,) = gw.findings
     assert finding.kind == "inplace_error" and finding.data["module_exact"]
     assert finding.data["modified_at"].endswith("h += 1  # in place on the output sigmoid saved for backward")
+    assert finding.module == finding.data["modified_in"] == "<root InplaceStep>"  # not the wrapper's class
 
 
 def test_healthy_fabric_training_step_run_is_quiet() -> None:
@@ -308,3 +309,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class RNNish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+        self.inp = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.h: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.h is None:
+            self.h = torch.zeros(x.shape[0], 8)
+        self.h = torch.tanh(self.cell(self.h) + self.inp(x))  # never detached: step 1's backward needs step 0's graph
+        return self.head(self.h)
+
+
+# A recurrent state kept on the model across steps under Fabric: the explanation named `_forward_module.h` and the
+# module `_forward_module` (the plain loop says `h` and `<root RNNish>`).
+def test_autograd_error_under_fabric_names_the_users_module_not_the_wrapper() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    raw = RNNish()
+    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.01))
+    gw = gradwatch.watch(fmodel, fopt, console=text_console())
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"), gw:
+        for _ in range(3):
+            loss = nn.functional.mse_loss(fmodel(torch.randn(8, 4)), torch.randn(8, 1))
+            fopt.zero_grad()
+            fabric.backward(loss)
+            fopt.step()
+    (finding,) = gw.findings
+    assert finding.kind == "backward_twice"
+    assert finding.module == "<root RNNish>"
+    assert finding.data["state_attributes"] == ["h"]
+    assert "_forward_module" not in finding.message and "_FabricModule" not in finding.message
