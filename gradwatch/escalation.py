@@ -84,8 +84,11 @@ from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 from gradwatch.tracing import _is_compiled, library_frame
 
 #: Top-level packages besides torch whose frames stand between the training loop and an optimizer's step
-#: (the loop's frame is the first outside them).
-_WRAPPERS = ("accelerate", "contextlib")
+#: (the loop's frame is the first outside them): Lightning Fabric's optimizer steps through its strategy and
+#: precision plugins (``lightning.fabric``, ``lightning_fabric``), Lightning's own loop or a LightningOptimizer
+#: through ``lightning.pytorch``/``pytorch_lightning``. Not in ``library_frame`` itself: the autograd explanations
+#: tell Lightning's own ``backward()`` from the user's by those frames.
+_WRAPPERS = ("accelerate", "contextlib", "lightning", "lightning_fabric", "pytorch_lightning")
 
 #: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
 MAX_CALLS = 64

@@ -301,6 +301,9 @@ def test_training_step_through_fabric_ddp_is_localized(fault: str, when: str, tm
         # Born in the loss (y is NaN), not in the model's input: the training_step call DDP ran is no forward.
         assert [(k, p) for k, _s, _o, p, _m in found if k == "nan_origin"] == [("nan_origin", "loss")]
         assert not any("before the model ran" in m for *_r, m in found)
+        # The loop's y, found past the frames of Fabric's optimizer step.
+        (named,) = [m for k, *_r, m in found if k == "nonfinite_input"]
+        assert "y (in step_loop() at " in named
     else:
         assert {k for k, *_ in found} == {"zero_grad_in_accumulation"}
 
@@ -345,3 +348,33 @@ def test_autograd_error_under_fabric_names_the_users_module_not_the_wrapper() ->
     assert finding.module == "<root RNNish>"
     assert finding.data["state_attributes"] == ["h"]
     assert "_forward_module" not in finding.message and "_FabricModule" not in finding.message
+
+
+# A NaN target held by the training loop is named (variable and line) in a plain loop; under Fabric opt.step() runs
+# through lightning.fabric's frames, and the loop's frame was never reached.
+@pytest.mark.parametrize("when", ["after_setup", "before_setup"])
+def test_nan_target_held_by_a_fabric_loop_is_named(when: str) -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gw = gradwatch.watch(model, opt, console=text_console()) if when == "before_setup" else None
+    fmodel, fopt = fabric.setup(model, opt)
+    gw = gw or gradwatch.watch(fmodel, fopt, console=text_console())
+    g = torch.Generator().manual_seed(1)
+    with gw:
+        for step in range(6):
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            if step == 4:
+                y[2, 0] = float("nan")
+            loss = nn.functional.mse_loss(fmodel(x), y)
+            gw.observe_loss(loss)
+            fopt.zero_grad()
+            fabric.backward(loss)
+            fopt.step()
+    assert [(f.kind, f.severity, f.step) for f in gw.findings] == [
+        ("nonfinite_loss", "error", 4), ("nonfinite_grad", "error", 4), ("nonfinite_input", "warning", 4),
+        ("nan_origin", "error", 4),
+    ]
+    (named,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert "y (in test_nan_target_held_by_a_fabric_loop_is_named() at " in named.message
+    assert gw.findings[-1].data["phase"] == "loss"
