@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gradwatch.findings import Finding, names_text
+from gradwatch.params import user_module
 from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op
 
 #: Autograd nodes visited at most when walking a graph (the error path only).
@@ -198,6 +199,11 @@ class _Context:
     def index(self) -> Any:
         return self.engine.index
 
+    @property
+    def model(self) -> Any:
+        """The user's model: under Lightning Fabric the module ``fabric.setup`` wrapped, not its wrapper."""
+        return user_module(self.engine.model)
+
     def roots(self) -> list[torch.Tensor]:
         """The tensors backward was called on, from the traceback frames (innermost first)."""
         found: list[torch.Tensor] = []
@@ -231,11 +237,17 @@ class _Context:
     def module_name(self, module: Any) -> str | None:
         return self.index.module_name.get(id(module))
 
+    def user_name(self, raw: str, module: Any) -> str:
+        """A module's path as the user wrote it (without wrapper segments: DDP's ``module``, Fabric's
+        ``_forward_module``); ``raw``, its path in the model walked, when the index does not know it."""
+        name = self.module_name(module)
+        return raw if name is None else name
+
     def display_module(self, name: str | None) -> str | None:
         if name is None:
             return None
         if name == "":
-            model = self.engine.model
+            model = self.model
             return f"<root {type(model).__name__}>" if model is not None else "<root>"
         return name
 
@@ -347,12 +359,13 @@ def _own_param(ctx: _Context, node: Any) -> tuple[str, str] | None:
     return None
 
 
-def _modules_of_type(ctx: _Context, op: str) -> list[str]:
-    model = ctx.engine.model
+def _modules_of_type(ctx: _Context, op: str) -> list[tuple[str, Any]]:
+    """(user path, module) of the model's modules whose class usually runs ``op``."""
+    model = ctx.model
     classes = _OP_MODULES.get(op, (op,))
     if model is None or not classes:
         return []
-    return [name for name, m in model.named_modules() if type(m).__name__ in classes]
+    return [(ctx.user_name(name, m), m) for name, m in model.named_modules() if type(m).__name__ in classes]
 
 
 # -- inplace_error ---------------------------------------------------------------------------------
@@ -542,14 +555,17 @@ def _modified_buffer(
     """A buffer of the model (a queue, a memory bank, running statistics) that autograd saved (itself or
     a view: views share its version counter) and that was then written in place; with the names of the
     other buffers that match as well (same size and version: which one cannot be told)."""
-    model = ctx.engine.model
+    model = ctx.model
     if model is None:
         return None
     numel = 1
     for d in shape:
         numel *= d
     found = [
-        (name, buf) for name, buf in model.named_buffers()
+        (f"{owner}.{name}" if owner else name, buf)
+        for mname, m in model.named_modules()
+        for owner in (ctx.user_name(mname, m),)
+        for name, buf in m.named_buffers(recurse=False)
         if buf._version == now and buf.numel() == numel and buf.is_floating_point()
     ]
     if not found:
@@ -674,8 +690,8 @@ def _inplace_untraced(
     module = None
     where: list[str] = []
     if len(by_type) == 1:
-        module = ctx.display_module(by_type[0])
-        where.append(f"probably module {module} (the only {type(_get(ctx, by_type[0])).__name__} in the model)")
+        module = ctx.display_module(by_type[0][0])
+        where.append(f"probably module {module} (the only {type(by_type[0][1]).__name__} in the model)")
     if before is not None:
         where.append(
             f"{op or 'the op'} follows module {ctx.display_module(before[1])} (nearest parameters: {before[0]})"
@@ -711,7 +727,7 @@ def _inplace_untraced(
         module_exact=False,
         follows=None if before is None else ctx.display_module(before[1]),
         feeds=None if feeds is None else ctx.display_module(feeds[1]),
-        same_type_modules=by_type,
+        same_type_modules=[name for name, _m in by_type],
     )
     return _inplace_finding(ctx, lines, module, op, data)
 
@@ -730,10 +746,6 @@ def _inplace_finding(
         op=op,
         data=data,
     )
-
-
-def _get(ctx: _Context, name: str) -> Any:
-    return ctx.engine.model.get_submodule(name) if name else ctx.engine.model
 
 
 def _raising_module(ctx: _Context) -> tuple[str | None, str | None]:
@@ -1009,15 +1021,16 @@ def _backward_twice(ctx: _Context) -> Finding:
 def _graph_state_attrs(ctx: _Context, limit: int = 8) -> list[str]:
     """Plain tensor attributes of the model's modules (not parameters or buffers) that carry a graph
     (``self.mem`` of a spiking neuron kept across iterations)."""
-    model = ctx.engine.model
+    model = ctx.model
     if model is None:
         return []
     out: list[str] = []
-    for name, m in model.named_modules():
+    for raw, m in model.named_modules():
+        name = ctx.user_name(raw, m)  # the path as the user wrote it (no DDP `module.`)
         for attr, v in vars(m).items():
             if attr.startswith("_") or not isinstance(v, torch.Tensor) or v.grad_fn is None:
                 continue
-            out.append(f"{ctx.display_module(name) if name else '<root>'}.{attr}" if name else attr)
+            out.append(f"{name}.{attr}" if name else attr)
             if len(out) >= limit:
                 return out
     return out
@@ -1062,7 +1075,7 @@ def _stepping_optimizer(ctx: _Context) -> torch.optim.Optimizer | None:
 
 def _no_grad_graph(ctx: _Context) -> Finding:
     roots = ctx.roots()
-    model = ctx.engine.model
+    model = ctx.model
     trainable = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     loss = roots[0] if roots else None
     causes: list[str] = []
@@ -1104,7 +1117,8 @@ def _no_grad_graph(ctx: _Context) -> Finding:
         )
     else:
         connected = _graph_locals(ctx, exclude=loss)
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad] if model is not None else []
+        named = model.named_parameters() if model is not None else ()
+        frozen = [ctx.index.param_name.get(id(p), n) for n, p in named if not p.requires_grad]
         if frozen and not connected:
             # Nothing in the user's code has a graph and part of the model is frozen: the loss path runs
             # through frozen layers only (a detach would leave the model's output with a graph).

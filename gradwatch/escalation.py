@@ -78,13 +78,17 @@ from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 from gradwatch.findings import Finding, names_text
 from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
+from gradwatch.params import fabric_redirect, user_module
 from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
 from gradwatch.tracing import _is_compiled, library_frame
 
 #: Top-level packages besides torch whose frames stand between the training loop and an optimizer's step
-#: (the loop's frame is the first outside them).
-_WRAPPERS = ("accelerate", "contextlib")
+#: (the loop's frame is the first outside them): Lightning Fabric's optimizer steps through its strategy and
+#: precision plugins (``lightning.fabric``, ``lightning_fabric``), Lightning's own loop or a LightningOptimizer
+#: through ``lightning.pytorch``/``pytorch_lightning``. Not in ``library_frame`` itself: the autograd explanations
+#: tell Lightning's own ``backward()`` from the user's by those frames.
+_WRAPPERS = ("accelerate", "contextlib", "lightning", "lightning_fabric", "pytorch_lightning")
 
 #: Forward calls (Lightning: batches) of one step kept for replay (gradient accumulation runs several).
 MAX_CALLS = 64
@@ -264,6 +268,7 @@ class Escalation:
         self._live_used = False
         self._poison_reported = False
         self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
+        self._redirect: Any = None  # the arguments of Fabric's training_step call now running (not a forward)
 
     @property
     def active(self) -> bool:
@@ -279,7 +284,10 @@ class Escalation:
         self.engine = engine
         engine.escalated = False
         engine.replaying = False
-        self.model = engine.model if isinstance(engine.model, nn.Module) else None
+        # Under Lightning Fabric the user's module, not fabric.setup's wrapper: Fabric runs training_step on it
+        # directly, so only its own forward is sure to run (and the replay then runs no strategy wrapper's
+        # collectives, e.g. DDP's buffer broadcast, on this rank alone).
+        self.model = user_module(engine.model) if isinstance(engine.model, nn.Module) else None
         if not engine.config.escalate or self.model is None:
             return
         observers = getattr(engine, "loss_observers", None)
@@ -292,6 +300,11 @@ class Escalation:
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
+            return None
+        if fabric_redirect(module):
+            # Fabric calling training_step through DDP: its arguments are the batch, its output the loss; the
+            # model's own call inside (self(x)) is the forward to keep.
+            self._redirect = args
             return None
         if not self._under_compile and torch.compiler.is_compiling():
             # The watched module runs inside a torch.compile'd wrapper (watch(model) of compile(model)):
@@ -317,6 +330,9 @@ class Escalation:
         return None
 
     def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if args is self._redirect:
+            self._redirect = None
+            return None
         if self._replaying or not self._calls or not torch.is_grad_enabled():
             return None
         call = self._calls[-1]
@@ -502,6 +518,7 @@ class Escalation:
         self._hooks = []
         self._new_step()
         self._batches = []
+        self._redirect = None
         observers = getattr(self.engine, "loss_observers", None)
         if observers is not None and self._on_loss in observers:
             observers.remove(self._on_loss)
@@ -581,7 +598,7 @@ class Escalation:
                 out.append(origin_finding)
         no_forward = self.integration == "plain" and not self._calls and self._forwards == 0
         if result is None and not bad_inputs and no_forward:
-            out.append(_no_forward_finding(stats.step, type(self.model).__name__ if self.model is not None else "model"))
+            out.append(_no_forward_finding(stats.step, self.model))
         note = None
         if result is None and not bad_inputs:
             note = (
@@ -1605,19 +1622,30 @@ def _backward_context(inc: dict[str, Any]) -> tuple[str, str]:
     return received, fwd
 
 
-def _no_forward_finding(step: int, model: str) -> Finding:
+def _no_forward_finding(step: int, model: nn.Module | None) -> Finding:
+    name = type(model).__name__ if model is not None else "model"
+    if callable(getattr(model, "training_step", None)):
+        # A LightningModule run by a loop of one's own (Lightning Fabric: `fabric_model.training_step(batch,
+        # i)`): the loop is right, training_step goes around the model's forward.
+        how = (
+            "Its training_step calls the submodules directly (`self.net(x)`), around the model's own forward.\n"
+            "Fix: in training_step call the model itself, `self(x)`, with the composition in its forward"
+        )
+    else:
+        how = (
+            "The training loop calls its submodules directly (`model.head(model.encoder(x))`), or another "
+            "module than the watched one.\n"
+            "Fix: call the watched model itself (put the composition in its forward: `model(x)`), or watch the "
+            "module the loop calls"
+        )
     return Finding(
         kind="nan_origin",
         step=step,
         severity="warning",
         message=(
             f"gradwatch could not look for where the NaN/Inf of step {step} was born: the watched model's own "
-            f"forward ({model}.__call__) did not run this step, so neither its inputs nor its outputs were "
-            "seen. The training loop calls its submodules directly (`model.head(model.encoder(x))`), or "
-            "another module than the watched one.\n"
-            "Fix: call the watched model itself (put the composition in its forward: `model(x)`), or watch the "
-            "module the loop calls; then a NaN batch is named as bad input and a NaN born in an op is named "
-            "with its line."
+            f"forward ({name}.__call__) did not run this step, so neither its inputs nor its outputs were "
+            f"seen. {how}; then a NaN batch is named as bad input and a NaN born in an op is named with its line."
         ),
         data={"phase": None, "no_forward": True},
     )

@@ -62,6 +62,29 @@ def user_path(qualified: str, module_wrappers: frozenset[str] = frozenset()) -> 
     return ".".join(out)
 
 
+def user_module(model: nn.Module | None) -> nn.Module | None:
+    """The user's own module behind Lightning Fabric's wrapper, else ``model`` itself.
+
+    ``fabric.setup(model)`` returns a ``_FabricModule``. Fabric runs ``training_step`` (and methods marked with
+    ``mark_forward_method``) on the module it wraps, or through the strategy's wrapper (DDP) and its
+    ``forward``, never through the wrapper's own ``__call__``: hooks that must see every forward of the model
+    (inputs, outputs, tracing, the replay) go on the user's module, as if it had been watched before
+    ``fabric.setup``. Recognized by name (no import of Lightning).
+    """
+    if model is None or not any(c.__name__ == "_FabricModule" for c in type(model).__mro__):
+        return model
+    inner = model._modules.get("_original_module")
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def fabric_redirect(module: nn.Module) -> bool:
+    """This call of ``module`` is Fabric's way into ``training_step`` (or a marked method) through a strategy
+    wrapper: Fabric patches ``module.forward`` to run that method and calls the wrapper (DDP), which calls
+    ``module``. Not a forward of the model: the ``self(x)`` inside it is. O(1)."""
+    fwd = module.__dict__.get("forward")
+    return fwd is not None and "_redirection_through_forward" in getattr(fwd, "__qualname__", "")
+
+
 def _owner(module: str) -> str:
     """The layer a parameter belongs to: a parametrized weight (``spectral_norm``, ``weight_norm``,
     ``orthogonal`` of ``torch.nn.utils.parametrizations``) lives in ``<layer>.parametrizations.weight``,

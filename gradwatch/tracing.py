@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.params import user_module
 from gradwatch.report import internal_warning
 
 #: Direct children hooked at most (beyond this only the root is hooked).
@@ -175,13 +176,14 @@ class ForwardTracer:
             # Hooks on a compiled model run inside Dynamo's trace (a TorchFunctionMode there costs graph
             # breaks and recompiles): autograd errors then get the untraced, approximate module names.
             return
+        # Under Lightning Fabric the user's module: Fabric runs its training_step without the wrapper's __call__.
+        model = user_module(model)
         targets = [model]
         children = list(model.children())
-        if (self.integration == "lightning" or type(model).forward is nn.Module.forward) and len(
-            children
-        ) <= MAX_CHILDREN:
+        steps = self.integration == "lightning" or callable(getattr(model, "training_step", None))
+        if (steps or type(model).forward is nn.Module.forward) and len(children) <= MAX_CHILDREN:
             # The model's own forward may never run (a LightningModule's training_step calling
-            # self.encoder(x), a ModuleDict of generator and discriminator).
+            # self.encoder(x), under the Trainer or Fabric; a ModuleDict of generator and discriminator).
             targets.extend(children)
         for m in targets:
             self._handles.append(m.register_forward_pre_hook(self._on_pre))
