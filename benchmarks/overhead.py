@@ -11,7 +11,8 @@ from 1.00 two identical variants land: differences smaller than that are noise.
 Also measured: gradwatch's own per-step work on ready gradients (the engine's check path called
 directly, many repetitions) against the fused floor (``_foreach_norm`` + one ``isfinite`` + one sync)
 and against ``AdamW.step``; and a Lightning ``Trainer.fit`` of W2 with and without gradwatch's callback
-(each fit runs in its own thread, the threads take turns, so those are interleaved too).
+(each fit runs in a process of its own and one fit runs at a time: the fits take turns, so those are
+interleaved too).
 
 Usage::
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import io
 import itertools
 import math
@@ -36,7 +38,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -494,154 +495,261 @@ def run_standalone(wl: Workload, reps: int, tmp: str, rng: random.Random) -> dic
 
 
 # ------------------------------------------------------------------------------------------------
-# Lightning: fit W2 with and without the callback, fits taking turns in threads
+# Lightning: fit W2 with and without the callback, each fit in its own process, fits taking turns
 # ------------------------------------------------------------------------------------------------
-def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, rng: random.Random,
-                  log: Callable[[str], None]) -> tuple[list[Row], list[str]]:
+#: Seconds the parent waits for a fit process: to reach its first batch (spawn, imports, Trainer setup),
+#: for one turn (plus a second per step), and to end after "stop".
+PL_START_TIMEOUT = 600.0
+PL_TURN_TIMEOUT = 120.0
+PL_STOP_TIMEOUT = 60.0
+
+
+def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, with_cb: bool, threads: int, tmp: str) -> None:
+    """One ``Trainer.fit`` of W2 in a process of its own, run by :func:`run_lightning` through ``conn``.
+
+    Protocol (tuples over a duplex pipe). Child to parent: ``("ready", info)`` at the first batch,
+    ``("turn", mean_step_s, n_steps)`` at the end of each turn, ``("error", text)`` if the fit fails,
+    ``("done",)`` when the fit has ended. Parent to child: ``("go", n_steps)`` or ``("stop",)``. Between
+    turns the fit blocks in ``conn.recv()`` (a blocking read: an idle fit uses no CPU).
+    """
     try:
+        if repo_root not in sys.path:
+            sys.path.insert(0, repo_root)
+        torch.set_num_threads(threads)
+        warnings.simplefilter("ignore")
+        import logging
+
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # "GPU available: False ..." x3
         import lightning.pytorch as pl
         from lightning.pytorch.loggers import TensorBoardLogger
+
+        import gradwatch as gw_mod
+
+        if os.path.realpath(gw_mod.__file__) != os.path.realpath(gradwatch_file):
+            conn.send(("error", f"the fit process imported gradwatch from {gw_mod.__file__}, not {gradwatch_file}"))
+            return
+        callback_cls: Any = None
+        if with_cb:
+            callback_cls = importlib.import_module("gradwatch.lightning").GradWatchCallback
+
+        wl = make_workloads(tied=False)["W2"]
+
+        class Batches(torch.utils.data.IterableDataset):
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                yield from itertools.cycle(wl.batches)
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(1)
+                self.net = deep_mlp()
+
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                xb, yb = batch
+                return nn.functional.mse_loss(self.net(xb), yb)
+
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        class Turns(pl.Callback):
+            """Times each step (batch start to next batch start); between turns, waits for the parent."""
+
+            def __init__(self) -> None:
+                self.left = 0
+                self.t_last: float | None = None
+                self.turn_times: list[float] = []
+                self.started = False
+                self.stopping = False
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                now = time.perf_counter()
+                if self.stopping:
+                    trainer.should_stop = True
+                    return
+                if self.t_last is not None:
+                    self.turn_times.append(now - self.t_last)
+                if self.left > 0:
+                    self.left -= 1
+                    self.t_last = now
+                    return
+                if not self.started:
+                    self.started = True
+                    conn.send(("ready", {"torch_threads": torch.get_num_threads(), "pid": os.getpid()}))
+                elif self.turn_times:
+                    conn.send(("turn", sum(self.turn_times) / len(self.turn_times), len(self.turn_times)))
+                self.turn_times = []
+                self.t_last = None
+                msg = conn.recv()  # blocks until the parent hands this fit its next turn
+                if msg[0] != "go":
+                    self.stopping = True
+                    trainer.should_stop = True  # this last step runs, then the fit ends normally
+                    return
+                gc.collect()
+                self.left = int(msg[1]) - 1
+                self.t_last = time.perf_counter()
+
+        from rich.console import Console
+
+        callbacks: list[Any] = [Turns()]
+        if callback_cls is not None:
+            callbacks.append(callback_cls(console=Console(file=io.StringIO(), width=120, color_system=None)))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=10**9,
+            max_epochs=-1,
+            logger=TensorBoardLogger(tempfile.mkdtemp(prefix="pl-", dir=tmp), name="", version=""),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            log_every_n_steps=50,
+            callbacks=callbacks,
+        )
+        trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
+        conn.send(("done",))
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        conn.close()
+
+
+def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, rng: random.Random,
+                  log: Callable[[str], None]) -> tuple[list[Row], list[str]]:
+    """W2 under ``Trainer.fit``: each fit in its own (spawned) process, one fit running at a time.
+
+    Fits in threads of one process share the GIL and compete with each other's OpenMP teams: the step is
+    3x slower than a user's fit and the callback's cost is blurred. Here every fit is a process of its
+    own with ``torch.set_num_threads(threads)``; the parent hands out turns of ``steps`` steps (rounds in
+    shuffled order, warm-up turns first and not timed) and the other fits wait in a blocking read.
+    """
+    try:
+        import lightning.pytorch  # noqa: F401
     except ImportError:
         return [], ["Lightning: skipped (lightning is not installed)"]
     notes: list[str] = []
-    callback_cls = None
+    variants = [("without callback", False), ("without callback (A/A)", False)]
     try:
-        from gradwatch.lightning import GradWatchCallback as callback_cls  # type: ignore[no-redef]
+        importlib.import_module("gradwatch.lightning")  # (an import statement would bind a local `gradwatch`)
     except ImportError as exc:
         notes.append(f"W2-Lightning / gradwatch callback: skipped (gradwatch.lightning not importable: {exc})")
+    else:
+        variants.append(("gradwatch callback", True))
 
-    wl = make_workloads(tied=False)["W2"]
+    import multiprocessing
 
-    class Batches(torch.utils.data.IterableDataset):
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            yield from itertools.cycle(wl.batches)
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(1)
-            self.net = deep_mlp()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            xb, yb = batch
-            return nn.functional.mse_loss(self.net(xb), yb)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class Turns(pl.Callback):
-        """Times each step (batch start to next batch start) and hands the CPU to the next fit."""
-
-        def __init__(self) -> None:
-            self.go = threading.Event()
-            self.done = threading.Event()
-            self.left = 0
-            self.t_last: float | None = None
-            self.turn_times: list[float] = []
-            self.per_round: list[float] = []
-            self.stop = False
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            now = time.perf_counter()
-            if self.t_last is not None:
-                self.turn_times.append(now - self.t_last)
-            if self.left <= 0:
-                if self.turn_times:
-                    self.per_round.append(sum(self.turn_times) / len(self.turn_times))
-                self.turn_times = []
-                self.done.set()
-                self.go.wait()
-                self.go.clear()
-                if self.stop:
-                    trainer.should_stop = True  # this last step runs, then the fit ends normally
-                    return
-                now = time.perf_counter()
-            self.left -= 1
-            self.t_last = now
+    ctx = multiprocessing.get_context("spawn")
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gradwatch_file = os.path.abspath(gradwatch.__file__)
 
     @dataclass
     class Fit:
         name: str
-        turns: Turns
-        thread: threading.Thread | None = None
-        error: BaseException | None = None
+        proc: Any
+        conn: Any
+        per_round: list[float]
+        failed: str = ""
+
+    def fail(fit: Fit, why: str) -> None:
+        if not fit.failed:
+            fit.failed = why
+            notes.append(f"W2-Lightning / {fit.name}: failed: {why}")
+        with contextlib.suppress(Exception):
+            fit.conn.close()
+        if fit.proc.is_alive():
+            fit.proc.terminate()
+            fit.proc.join(10)
+            if fit.proc.is_alive():
+                fit.proc.kill()
+                fit.proc.join(10)
+
+    def receive(fit: Fit, expect: str, timeout: float) -> tuple | None:
+        """The fit's next message if it is ``expect``; anything else (error, exit, timeout) fails the fit."""
+        try:
+            if not fit.conn.poll(timeout):
+                fail(fit, f"no {expect!r} from the fit process within {timeout:.0f} s")
+                return None
+            msg = fit.conn.recv()
+        except (EOFError, OSError):
+            fit.proc.join(10)
+            fail(fit, f"the fit process exited (exit code {fit.proc.exitcode}) before {expect!r}")
+            return None
+        if msg[0] == "error":
+            fit.proc.join(10)
+            fail(fit, msg[1])
+            return None
+        if msg[0] != expect:
+            fail(fit, f"expected {expect!r} from the fit process, got {msg[0]!r}")
+            return None
+        return msg
+
+    def turn(fit: Fit, n: int) -> float | None:
+        try:
+            fit.conn.send(("go", n))
+        except (BrokenPipeError, EOFError, OSError):
+            fit.proc.join(10)
+            fail(fit, f"the fit process exited (exit code {fit.proc.exitcode})")
+            return None
+        msg = receive(fit, "turn", PL_TURN_TIMEOUT + n)
+        return None if msg is None else float(msg[1])
 
     fits: list[Fit] = []
-    variants = [("without callback", False), ("without callback (A/A)", False)]
-    if callback_cls is not None:
-        variants.append(("gradwatch callback", True))
-    for name, with_cb in variants:
-        turns = Turns()
-        fit = Fit(name, turns)
-
-        def target(fit: Fit = fit, with_cb: bool = with_cb) -> None:
-            torch.set_num_threads(threads)
-            from rich.console import Console
-
-            callbacks: list[Any] = [fit.turns]
-            if with_cb:
-                callbacks.append(callback_cls(console=Console(file=io.StringIO(), width=120, color_system=None)))
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                devices=1,
-                max_steps=10**9,
-                max_epochs=-1,
-                logger=TensorBoardLogger(tempfile.mkdtemp(prefix="pl-", dir=tmp), name="", version=""),
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                log_every_n_steps=50,
-                callbacks=callbacks,
-            )
-            try:
-                trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
-            except BaseException as exc:  # noqa: BLE001
-                fit.error = exc
-            finally:
-                fit.turns.done.set()
-
-        fit.thread = threading.Thread(target=target, name=f"fit {name}", daemon=True)
-        fits.append(fit)
-
-    def turn(fit: Fit, n: int) -> None:
-        fit.turns.left = n
-        fit.turns.done.clear()
-        fit.turns.go.set()
-        fit.turns.done.wait()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for fit in fits:  # start each fit and let it reach its first batch
-            fit.turns.done.clear()
-            fit.thread.start()  # type: ignore[union-attr]
-            fit.turns.done.wait()
+    try:
+        for name, with_cb in variants:  # all start at once (untimed); each stops at its first batch
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_lightning_fit_child, name=f"gradwatch-bench fit: {name}", daemon=True,
+                               args=(child_conn, repo_root, gradwatch_file, with_cb, threads, tmp))
+            proc.start()
+            child_conn.close()  # the child's end lives in the child only: its exit gives the parent EOF
+            fits.append(Fit(name, proc, parent_conn, []))
         for fit in fits:
-            turn(fit, warmup)
-            fit.turns.per_round.clear()
+            msg = receive(fit, "ready", PL_START_TIMEOUT)
+            if msg is not None and msg[1].get("torch_threads") != threads:
+                notes.append(f"W2-Lightning / {fit.name}: torch threads {msg[1].get('torch_threads')}, not {threads}")
+        for fit in fits:  # warm-up turns, not timed
+            if not fit.failed:
+                turn(fit, warmup)
         t_start = time.perf_counter()
         for r in range(rounds):
             order = fits[:]
             rng.shuffle(order)
             for fit in order:
-                gc.collect()
-                turn(fit, steps)
+                if fit.failed:
+                    continue
+                t = turn(fit, steps)
+                if t is not None:
+                    fit.per_round.append(t)
             if r == 0:
-                log(f"  W2-Lightning: {len(fits)} fits x {rounds} rounds x {steps} steps, "
+                log(f"  W2-Lightning: {len(fits)} fits (one process each) x {rounds} rounds x {steps} steps, "
                     f"~{(time.perf_counter() - t_start) * rounds:.0f} s")
         for fit in fits:
-            fit.turns.stop = True
-            fit.turns.go.set()
-            fit.thread.join(timeout=120)  # type: ignore[union-attr]
-            if fit.thread.is_alive():  # type: ignore[union-attr]
-                notes.append(f"W2-Lightning / {fit.name}: the fit did not stop")
-    for fit in fits:
-        if fit.error is not None:
-            notes.append(f"W2-Lightning / {fit.name}: failed: {type(fit.error).__name__}: {fit.error}")
-    per_round = {f.name: f.turns.per_round[:rounds] for f in fits}
-    if any(len(v) < rounds for v in per_round.values()):
-        notes.append("W2-Lightning: a fit ended early; its rows cover fewer rounds")
-        n = min(len(v) for v in per_round.values())
+            if fit.failed:
+                continue
+            with contextlib.suppress(BrokenPipeError, EOFError, OSError):
+                fit.conn.send(("stop",))
+            if receive(fit, "done", PL_STOP_TIMEOUT) is None:
+                continue
+            fit.proc.join(PL_STOP_TIMEOUT)
+            if fit.proc.is_alive():
+                notes.append(f"W2-Lightning / {fit.name}: the fit process did not exit after its fit ended")
+    finally:
+        for fit in fits:  # never leave a fit process behind (an error here, Ctrl-C)
+            if fit.proc.is_alive():
+                fit.proc.terminate()
+                fit.proc.join(10)
+                if fit.proc.is_alive():
+                    fit.proc.kill()
+            with contextlib.suppress(Exception):
+                fit.conn.close()
+    per_round = {f.name: f.per_round for f in fits if f.per_round}
+    if "without callback" not in per_round:
+        notes.append("W2-Lightning: no timed round of the fit without callback; no rows")
+        return [], notes
+    n = min(len(v) for v in per_round.values())
+    if n < rounds or len(per_round) < len(fits):
+        notes.append(f"W2-Lightning: a fit ended early; the rows cover {n} of {rounds} rounds")
         per_round = {k: v[:n] for k, v in per_round.items()}
     return summarize(per_round, bare="without callback"), notes
 
@@ -761,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
             notes += more
             if rows:
                 results["W2-Lightning"] = rows
-                out += table(f"W2 under Lightning Trainer.fit ({lrounds} rounds, 10 steps per turn; bare = fit without callback)",
+                out += table(f"W2 under Lightning Trainer.fit ({lrounds} rounds, 10 steps per turn; each fit in its own "
+                             "process, one fit running at a time; bare = fit without callback)",
                              rows, {n: t for (w, n), t in TARGETS.items() if w == "W2-Lightning"})
         if "standalone" in which:
             out += [
