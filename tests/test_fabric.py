@@ -121,6 +121,15 @@ def test_fabric_clip_gradients_raising_on_the_scalers_overflow_is_explained_as_t
     assert "fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False)" in f.message
 
 
+def set_up(cls: type, lr: float) -> tuple:
+    """A fresh Fabric on the CPU and ``cls()`` (seeded) set up with SGD: (fabric, module, wrapper, optimizer)."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    raw = cls()
+    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=lr))
+    return fabric, raw, fmodel, fopt
+
+
 class StepModule(L.LightningModule):
     """A LightningModule run by a loop of one's own (Fabric's "build your own trainer"): the loop calls
     ``training_step`` (or a method marked with ``mark_forward_method``) on what ``fabric.setup`` returned."""
@@ -174,10 +183,7 @@ def step_loop(fabric, raw, fmodel, fopt, gw, steps: int, *, fault: str = "", at:
 @pytest.mark.parametrize("fault", ["log0", "sqrt0"])
 @pytest.mark.parametrize("method", ["training_step", "compute_loss"])
 def test_training_step_called_through_fabric_is_localized_like_a_plain_loop(method: str, fault: str) -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = StepModule()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=1e-3))
+    fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
     if method == "compute_loss":
         fmodel.mark_forward_method("compute_loss")
     with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
@@ -196,10 +202,7 @@ def test_training_step_called_through_fabric_is_localized_like_a_plain_loop(meth
 
 
 def test_nan_batch_through_fabric_training_step_is_named_as_input() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = StepModule()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=1e-3))
+    fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
     with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 8, fault="nan_batch")
     assert [(f.kind, f.step) for f in gw.findings] == [
@@ -210,10 +213,7 @@ def test_nan_batch_through_fabric_training_step_is_named_as_input() -> None:
 
 @pytest.mark.parametrize("zero_grad", ["every_micro_batch", "last_micro_batch"])
 def test_zero_grad_inside_accumulation_with_fabric_training_step_is_flagged(zero_grad: str) -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = StepModule()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=1e-3))
+    fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
     with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 6, accumulate=4, zero_grad=zero_grad)
     assert {f.kind for f in gw.findings} == {"zero_grad_in_accumulation"}
@@ -233,10 +233,7 @@ class NetStep(L.LightningModule):
 
 def test_fabric_training_step_around_forward_gets_advice_for_training_step() -> None:
     # The loop is Fabric's documented one: the advice is about training_step, never "call the watched model".
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = NetStep()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=1e-3))
+    fabric, raw, fmodel, fopt = set_up(NetStep, lr=1e-3)
     with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 6, fault="nan_batch")
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
@@ -263,10 +260,7 @@ class InplaceStep(L.LightningModule):
 
 
 def test_inplace_error_in_fabric_training_step_is_traced_to_its_line() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = InplaceStep()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    fabric, _raw, fmodel, fopt = set_up(InplaceStep, lr=0.1)
     gw = gradwatch.watch(fmodel, fopt, console=text_console())
     with pytest.raises(RuntimeError, match="inplace operation"), gw:
         fabric.backward(fmodel.training_step((torch.randn(8, 4), torch.randn(8, 1)), 0))
@@ -277,10 +271,7 @@ def test_inplace_error_in_fabric_training_step_is_traced_to_its_line() -> None:
 
 
 def test_healthy_fabric_training_step_run_is_quiet() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = StepModule()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=1e-3))
+    fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
     with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 30, accumulate=2)
     assert gw.findings == []
@@ -378,10 +369,7 @@ class RNNish(nn.Module):
 # A recurrent state kept on the model across steps under Fabric: the explanation named `_forward_module.h` and the
 # module `_forward_module` (the plain loop says `h` and `<root RNNish>`).
 def test_autograd_error_under_fabric_names_the_users_module_not_the_wrapper() -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    raw = RNNish()
-    fmodel, fopt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.01))
+    fabric, _raw, fmodel, fopt = set_up(RNNish, lr=0.01)
     gw = gradwatch.watch(fmodel, fopt, console=text_console())
     with pytest.raises(RuntimeError, match="backward through the graph a second time"), gw:
         for _ in range(3):
