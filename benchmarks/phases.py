@@ -19,15 +19,13 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-import overhead as ob  # noqa: E402
-
+import overhead as ob
+import torch
 
 BLOCK = 10
 
@@ -64,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     model, opt = ob.build(wl)
     twin, twin_opt = ob.build(wl)
     other, other_opt = ob.build(wl)
-    import gradwatch
     from rich.console import Console
+
+    import gradwatch
 
     gw = gradwatch.watch(twin, twin_opt, log_dir=tempfile.mkdtemp(), console=Console(file=io.StringIO()))
     params = list(model.parameters())
