@@ -268,7 +268,7 @@ class _Tracker:
             return
         if self.sampled is not None:
             return
-        p = next((p for p in params if p.is_leaf and p.numel() >= SAMPLE), None)
+        p = next((p for p in params if p.is_leaf and p.requires_grad and p.numel() >= SAMPLE), None)
         if p is not None and hasattr(p, "register_post_accumulate_grad_hook"):
             self.sampled = p
             self.sample_handle = p.register_post_accumulate_grad_hook(self.after_sampled_accumulate)
@@ -498,6 +498,8 @@ class ZeroGradTracker:
             return False
         if sg.is_sparse or facts["state"] != FRESH or step < t.swap_after:
             return False
+        if not s.requires_grad:
+            return False  # frozen since: its gradient stays because nothing writes it (no hooks possible)
         delta = sg._version - t.sentinel_version
         replaced = g is None or t.base_ref is None or g is not t.base_ref()
         if not (replaced or 0 < delta <= t.accumulations):
