@@ -108,6 +108,9 @@ class Engine:
         self.history = History(window=config.window)
         self.findings: list[Finding] = []
         self._explained: tuple[tuple[int, str], Finding | None] | None = None  # the last explained exception
+        # The optimizer steps taken when the latest checked step was found non-finite: an exception on those
+        # same gradients before the update (a clipping hook that raises after the check) is reported already.
+        self._blocked_at = -1
         self.kind_counts: Counter[str] = Counter()
         self.steps_checked = 0
         self.steps_skipped = 0
@@ -601,6 +604,8 @@ class Engine:
         else:
             self.consecutive_skips = 0
         self.steps_checked += 1
+        if blocked:
+            self._blocked_at = sum(self.step_counts)
         self._record(stats, findings, skipped=decision == "skip")
         self._call("after_step", stats, decision)
         if error is not None:
@@ -826,6 +831,8 @@ class Engine:
         like a checked step's (the error path: a few syncs, a replay)."""
         from gradwatch.checks import nonfinite
 
+        if self._blocked_at == sum(self.step_counts):
+            return []  # this step's check found them (and said so); no update ran since
         bad_loss, bad, counts, total = self._nonfinite_now(list(range(len(self.index.per_optimizer))), self._losses)
         if bad_loss is None and not bad:
             return []

@@ -205,6 +205,23 @@ def test_the_modules_own_clipping_in_its_hook_is_silent() -> None:
     assert zero_kinds(fit(Clips())) == []
 
 
+def test_the_modules_own_clipping_raising_on_a_nan_step_is_reported_once() -> None:
+    # clip_grad_norm_(error_if_nonfinite=True) in the module's hook raises after gradwatch's check of the same
+    # step (the callback's hook runs first): one nonfinite_grad for the step, not a second from the raise.
+    class ClipsAndRaises(Automatic):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.global_step == 2 else loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0, error_if_nonfinite=True)
+
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        tiny_trainer(pl, [cb]).fit(ClipsAndRaises())
+    assert [(f.kind, f.step) for f in cb.findings if f.kind == "nonfinite_grad"] == [("nonfinite_grad", 2)]
+
+
 # -- autograd errors -------------------------------------------------------------------------------
 class Broken(Automatic):
     def __init__(self, bug: str) -> None:
