@@ -50,7 +50,7 @@ import torch
 from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.stats import StepStats, layer_norms, total_norm
-from gradwatch.tracing import library_frame
+from gradwatch.tracing import library_frame, traceback_entries
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
 PERSISTENT_STEPS = 8
@@ -596,11 +596,7 @@ def _scaler_on_traceback(exc: BaseException, optimizers: list[Any], depth: int =
     precision plugin (Fabric, its strategy, Lightning's plugin). One that unscaled a watched optimizer
     first."""
     found: list[Any] = []
-    tb = exc.__traceback__
-    for _ in range(depth):
-        if tb is None:
-            break
-        frame = tb.tb_frame
+    for frame, _line in traceback_entries(exc, depth):
         values = list(frame.f_locals.values())
         if not library_frame(frame):
             values += list(frame.f_globals.values())  # a script's module-level scaler, used in a function
@@ -611,20 +607,16 @@ def _scaler_on_traceback(exc: BaseException, optimizers: list[Any], depth: int =
         except Exception:  # noqa: BLE001, S110 - a property that fails: no scaler there
             pass
         found += [v for v in values if _is_scaler(v) and all(v is not s for s in found)]
-        tb = tb.tb_next
     ids = {id(o) for o in optimizers}
     return next((s for s in found if ids & set(s._per_optimizer_states)), found[0] if found else None)
 
 
 def _on_traceback(exc: BaseException, function: str, package: str) -> bool:
     """Whether ``package``'s ``function`` is on ``exc``'s traceback."""
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(package):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(
+        frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(package)
+        for frame, _line in traceback_entries(exc)
+    )
 
 
 def _scaler_in_stack(depth: int = 32) -> Any:

@@ -30,7 +30,7 @@ import torch
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.params import user_module
-from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op
+from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op, traceback_entries
 
 #: Autograd nodes visited at most when walking a graph (the error path only).
 MAX_NODES = 200_000
@@ -182,11 +182,9 @@ class _Context:
     lines: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        tb = self.exc.__traceback__
-        while tb is not None:
-            self.frames.append(tb.tb_frame)
-            self.lines[id(tb.tb_frame)] = tb.tb_lineno
-            tb = tb.tb_next
+        for frame, line in traceback_entries(self.exc):
+            self.frames.append(frame)
+            self.lines[id(frame)] = line
 
     def source_of(self, frame: Any) -> str:
         """``file:line: code`` of a frame of the traceback, at the line it raised from."""

@@ -86,6 +86,16 @@ def library_frame(frame: Any, extra: tuple[str, ...] = ()) -> bool:
     return bool(extra) and str(frame.f_globals.get("__name__", "")).split(".")[0] in extra
 
 
+def traceback_entries(exc: BaseException, limit: int | None = None) -> list[tuple[Any, int]]:
+    """``(frame, line it raised at)`` for each frame of ``exc``'s traceback, outermost first (at most ``limit``)."""
+    out: list[tuple[Any, int]] = []
+    tb = exc.__traceback__
+    while tb is not None and (limit is None or len(out) < limit):
+        out.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return out
+
+
 def user_source(depth: int = 2, limit: int = 12) -> str | None:
     """``file:line`` of the nearest caller outside torch and gradwatch."""
     try:
