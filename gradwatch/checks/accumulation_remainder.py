@@ -1,0 +1,105 @@
+"""``accumulation_remainder``: the micro-batches left over at the end of an epoch go into the next epoch's
+first update.
+
+A loop that steps when ``(i + 1) % accum == 0`` over a loader whose length is not a multiple of ``accum``
+never steps nor clears the epoch's last ``len % accum`` micro-batches: their gradients are summed into the
+next epoch's first update (timoschick/pet#36). Seen from the updates: every one sums ``k`` backward passes,
+except one per epoch that sums ``k + r`` (``0 < r < k``), at a fixed period counted from the run's first
+update. Reported at the second such update, when the period is confirmed (once per optimizer).
+
+Not: accumulation whose count varies (token budgets, a schedule that changes ``k``: any other count ends the
+watch for the run), a loop that steps the remainder (fewer passes, never more), an extra backward pass on a
+batch's own forward (regularizers, per-term passes: as many forwards as passes are required), or a run
+attached mid-epoch (the period is then not the first update's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwatch.config import Config
+from gradwatch.findings import Finding
+from gradwatch.history import History
+from gradwatch.stats import StepStats
+
+_KEY = "accumulation_remainder"
+_OFF = "off"
+
+
+def _passes(stats: StepStats) -> int | None:
+    """The backward passes this update sums, when each came from a forward of its own and nothing cleared
+    the gradients in between; None otherwise."""
+    facts = stats.extra.get("zero_grad") or {}
+    kept = facts.get("kept_passes")
+    passes = stats.extra.get("backward_passes")
+    if (
+        not isinstance(kept, int)
+        or not isinstance(passes, tuple)
+        or passes[0] != kept
+        or passes[1]
+        or stats.extra.get("zero_grad_missing")
+        or facts.get("spans_other_step")
+    ):
+        return None
+    inputs = stats.extra.get("step_inputs")  # present for 3+ passes, when escalation is on
+    if isinstance(inputs, tuple) and (inputs[0] != kept or inputs[1]):
+        return None
+    return kept
+
+
+def _next(state: Any, stats: StepStats) -> tuple[Any, tuple[int, int, int, int] | None]:
+    """The state after this update and, when the pattern is confirmed, (first, second, k, n)."""
+    if state == _OFF:
+        return state, None
+    n = _passes(stats)
+    if state is None:  # the run's first checked update sets k and the start of the period
+        return ((stats.step, n, None) if n is not None and n >= 2 else _OFF), None
+    start, k, odd = state
+    if n == k:
+        return state, None
+    if n is None or not k < n < 2 * k:
+        return _OFF, None
+    if odd is None:
+        return (start, k, (stats.step, n)), None
+    first, n1 = odd
+    if n == n1 and stats.step - first == first - start > 0:
+        return _OFF, (first, stats.step, k, n)
+    return _OFF, None
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    if len(stats.names) == 0 or stats.extra.get("several_optimizers"):
+        return []
+    i = stats.optimizer_index
+    state, found = _next(history.memory.get(_KEY, {}).get(i), stats)
+    stats.extra[_KEY] = state  # a note for remember
+    if found is None:
+        return []
+    first, second, k, n = found
+    r, period = n - k, second - first
+    others = "the run's first update" if period == 1 else "every other update"
+    return [
+        Finding(
+            kind=_KEY,
+            step=first,
+            severity="warning",
+            message=(
+                f"optimizer {i}'s updates at steps {first} and {second} each summed the gradients of {n} "
+                f"micro-batches where {others} summed {k}: every {period} update{'s' if period > 1 else ''}, {r} "
+                f"micro-batches are carried into the next one. Most likely the end of an epoch: the loop steps when "
+                f"(i + 1) % {k} == 0, so the last {r} batches of a loader whose length is not a multiple of {k} "
+                "are never stepped nor cleared, and their gradients go into the next epoch's first update.\n"
+                f"Why it matters: that update is {n / k:.2f}x the size of the others (with the loss divided by "
+                f"{k}) and mixes two epochs' batches; the remainder never gets an update of its own.\n"
+                f"Fix: also step on the epoch's last batch: `if (i + 1) % {k} == 0 or i + 1 == len(loader):` "
+                f"(its loss divided by {r}, not {k}); or call optimizer.zero_grad() at the start of each epoch to "
+                f"drop the remainder; or DataLoader(drop_last=True) with a batch count divisible by {k}."
+            ),
+            data={"optimizer": i, "micro_batches": n, "usual": k, "period": period, "steps": [first, second]},
+        )
+    ]
+
+
+def remember(stats: StepStats, history: History) -> None:
+    if _KEY in stats.extra:
+        history.memory.setdefault(_KEY, {})[stats.optimizer_index] = stats.extra[_KEY]
