@@ -265,6 +265,9 @@ class Escalation:
         self._window_start: int | None = None
         self._anomaly_prev: tuple[bool, bool] | None = None
         self._live: Localizer | None = None
+        # Reentrant checkpointing swapped for the non-reentrant kind during an escalated forward (see
+        # _checkpoint_not_reentrant): the live localizer then sees the segment's ops too.
+        self._unnested: Any = None
         self._live_used = False
         self._poison_reported = False
         self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
@@ -445,6 +448,7 @@ class Escalation:
             )
 
     def _close_window(self) -> None:
+        self._restore_checkpoint()
         self._window_left = 0
         self._window_start = None
         for h in self._window_hooks:
@@ -462,8 +466,17 @@ class Escalation:
         self._anomaly_on()
         if self._live is not None:
             self._live.start(inside_root=True)  # called from the root model's forward pre-hook
+            if self._unnested is None:
+                self._unnested = _checkpoint_not_reentrant()
+                self._unnested.__enter__()
+
+    def _restore_checkpoint(self) -> None:
+        cm, self._unnested = self._unnested, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
 
     def _escalated_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._restore_checkpoint()
         live = self._live
         if live is None or self._replaying or not live.recording:
             return None
@@ -997,7 +1010,8 @@ class Escalation:
         self._replaying = True
         self.engine.replaying = True
         try:
-            yield
+            with _checkpoint_not_reentrant():
+                yield
         finally:
             self._replaying = False
             self.engine.replaying = False
@@ -1149,6 +1163,33 @@ def _preserved(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _checkpoint_not_reentrant() -> Iterator[None]:
+    """Within a replay, ``torch.utils.checkpoint``'s reentrant mode (``use_reentrant=True``: HF's gradient
+    checkpointing, older code) runs as the non-reentrant one: the same values and memory, but the segment's
+    recomputation happens in the replay's own graph, where the localizer sees each op and module. The
+    reentrant mode runs a nested backward no hook of gradwatch sees: the NaN was blamed on
+    CheckpointFunctionBackward, or not found at all."""
+    cp = sys.modules.get("torch.utils.checkpoint")
+    cls = getattr(cp, "CheckpointFunction", None)
+    if cls is None or not callable(getattr(cp, "checkpoint", None)):
+        yield
+        return
+    own = cls.__dict__.get("apply")
+
+    def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        return cp.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+    cls.apply = staticmethod(apply)
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.apply
+        else:
+            cls.apply = own
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -1082,3 +1082,79 @@ def test_an_acos_input_just_past_one_is_shown_with_the_digits_that_matter() -> N
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert origin.step == 1 and origin.op == "AcosBackward0"
     assert "1.00000024" in origin.message
+
+
+class _SqrtBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t + self.fc(t).abs().sqrt())
+
+
+class _CheckpointedNet(nn.Module):
+    """Blocks run through torch.utils.checkpoint with use_reentrant=True (HF's gradient checkpointing, older
+    code); a block whose weights are all zero takes sqrt at 0 (an Inf derivative, then NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_SqrtBlock() for _ in range(3))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _checkpointed_run(watched: bool, *, dead_block_at: int | None, nan_batch_at: int | None) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    model = _CheckpointedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    gw = gradwatch.watch(model, opt, console=False) if watched else None
+    for step in range(7):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        if step == dead_block_at:
+            with torch.no_grad():
+                model.blocks[1].fc.weight.zero_()
+                model.blocks[1].fc.bias.zero_()
+        if step == nan_batch_at:
+            x[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        if not watched and not torch.isfinite(loss):
+            continue  # what gradwatch's skip does: no update
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if gw is not None:
+        gw.close()
+    return model, gw
+
+
+# huggingface/transformers gradient checkpointing (use_reentrant=True): the NaN was blamed on
+# CheckpointFunctionBackward ("check CheckpointFunction.backward's formula") or not localized at all.
+def test_nan_inside_a_reentrant_checkpoint_is_localized_in_the_segment() -> None:
+    _, gw = _checkpointed_run(True, dead_block_at=3, nan_batch_at=None)
+    origins = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert [f.step for f in origins] == [3, 4, 5, 6]  # the incident's replay, then the escalation window
+    for f in origins:
+        assert f.module == "blocks.1" and "SqrtBackward0" in f.message, f.message
+        assert "CheckpointFunction" not in f.message
+
+
+def test_escalation_window_through_a_reentrant_checkpoint_leaves_training_unchanged() -> None:
+    from torch.utils.checkpoint import CheckpointFunction
+
+    watched, gw = _checkpointed_run(True, dead_block_at=None, nan_batch_at=2)
+    bare, _ = _checkpointed_run(False, dead_block_at=None, nan_batch_at=2)
+    assert {f.step for f in gw.findings if f.severity == "error"} == {2}
+    assert gw.engine.steps_skipped == 1
+    for a, b in zip(watched.state_dict().values(), bare.state_dict().values()):
+        assert torch.equal(a, b)
+    assert "apply" not in CheckpointFunction.__dict__  # the swap is undone
