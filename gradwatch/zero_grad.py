@@ -152,6 +152,12 @@ class _Tracker:
         self.steps: Any = None
         self.accumulated_at = -1
         self.first_kept_at = -1
+        # With several optimizers: the backward call (autograd graph task) of the same two passes. Equal step
+        # counts do not say one backward reached both optimizers: a discriminator's own pass and the
+        # generator's pass of the batch before (toggle_optimizer) ran with no step in between too.
+        self.task: Any = None
+        self.accumulated_task = -1
+        self.first_kept_task = -1
         # A second parameter with no hooks, from another part of the model than the representative (the
         # least shared module path), and its gradient at the previous check: zero_grad() called on one
         # submodule (enc.zero_grad() where one optimizer trains enc and dec) clears one of the two only.
@@ -214,8 +220,10 @@ class _Tracker:
             self.accumulations += 1
             self.kept_passes += 1
             self.accumulated_at = self.steps() if self.steps is not None else -1
+            self.accumulated_task = self.task() if self.task is not None else -1
             if self.kept_passes == 1:
                 self.first_kept_at = self.accumulated_at
+                self.first_kept_task = self.accumulated_task
             self.post_ref = weakref.ref(g)
             self.post_version = g._version
             self.post_ptr = g.data_ptr() if not g.is_sparse else 0
@@ -378,6 +386,10 @@ class ZeroGradTracker:
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
+        else:
+            task = getattr(torch._C, "_current_graph_task_id", None)  # one C call per backward pass
+            for t in self.trackers:
+                t.task = task
 
     def before_sync(self, ctx: Any) -> None:
         stats = ctx.stats
@@ -414,15 +426,21 @@ class ZeroGradTracker:
         if (
             len(self.trackers) > 1 and t.kept_passes >= 2 and 0 <= t.first_kept_at < t.accumulated_at
             and all(o.accumulated_at < t.accumulated_at for o in self.trackers if o is not t)
-            and any(o.accumulated_at == t.first_kept_at for o in self.trackers if o is not t)
+            and any(
+                o.accumulated_at == t.first_kept_at and o.accumulated_task == t.first_kept_task
+                for o in self.trackers
+                if o is not t
+            )
         ):
             # The gradient holds passes from before another optimizer's step (and after it): that step's
             # backward also went through these parameters and nothing cleared them since. Its last pass
             # reached no other optimizer: its own loss (a GAN's discriminator loss) on top of another's; and
-            # the other optimizer's latest pass is the one this gradient starts with (one graph through
-            # both). A loss every optimizer shares, stepped at different rates on purpose, reaches the others
-            # in its last pass too; a probe on detached features stepping every micro-batch while a backbone
-            # accumulates never reaches the backbone.
+            # the other optimizer's latest pass is the one this gradient starts with (one backward call
+            # through both, not merely one with no step in between). A loss every optimizer shares, stepped
+            # at different rates on purpose, reaches the others in its last pass too; a probe on detached
+            # features stepping every micro-batch while a backbone accumulates never reaches the backbone; a
+            # generator accumulating under toggle_optimizer next to a discriminator stepping every batch on
+            # its own loss never reaches the discriminator.
             facts["spans_other_step"] = True
         if facts["state"] == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)

@@ -522,6 +522,46 @@ def test_manual_accumulation_with_zero_grad_in_every_batch_is_flagged(pl_ns: Any
     assert found == ([("zero_grad_in_accumulation", 1, "warning")] if bug else [])
 
 
+def test_manual_gan_with_the_generator_accumulating_under_toggle_optimizer_is_silent(pl_ns: Any) -> None:
+    # Must not flag (grads_span_other_step was reported on G): D steps every batch on its own loss, G
+    # accumulates over 2 batches (manual_backward(g_loss / 2)), each phase inside toggle_optimizer.
+    class Gan(pl_ns.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+            self.disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            x, _ = batch
+            opt_g, opt_d = self.optimizers()
+            bce = torch.nn.functional.binary_cross_entropy_with_logits
+            ones, zeros = torch.ones(len(x), 1), torch.zeros(len(x), 1)
+            z = torch.randn(len(x), 4)
+            self.toggle_optimizer(opt_d)
+            d_loss = bce(self.disc(x), ones) + bce(self.disc(self.gen(z).detach()), zeros)
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+            self.untoggle_optimizer(opt_d)
+            self.toggle_optimizer(opt_g)
+            self.manual_backward(bce(self.disc(self.gen(z)), ones) / 2)
+            if batch_idx % 2 == 1:
+                opt_g.step()
+                opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+
+        def configure_optimizers(self) -> Any:
+            return (torch.optim.Adam(self.gen.parameters(), 2e-3), torch.optim.Adam(self.disc.parameters(), 2e-3))
+
+    from conftest import tiny_data
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=1).fit(Gan(), tiny_data())
+    assert [f.kind for f in cb.findings if f.severity != "info"] == []
+
+
 # Manual optimization stepping torch's optimizers directly (https://github.com/Lightning-AI/pytorch-lightning/issues/16143):
 # Lightning's on_before_optimizer_step never runs; nothing was checked and the NaN reached the weights.
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])

@@ -821,3 +821,28 @@ def test_a_backbone_accumulating_next_to_an_online_probe_is_silent() -> None:
                 opt_b.step()
                 opt_b.zero_grad()
     assert not any(f.kind == "grads_span_other_step" for f in gw.findings)
+
+
+def test_a_generator_accumulating_next_to_a_discriminator_stepping_every_batch_is_silent() -> None:
+    # Must not flag (reported on a Lightning GAN with toggle_optimizer): D steps every batch on its own loss
+    # (fake detached); G accumulates over 2 batches with D frozen during its phase (pix2pix's
+    # set_requires_grad). G's gradient holds its own two passes only; D's backward between them never
+    # reached G, it merely ran with no step in between.
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)), nn.Sequential(nn.Linear(8, 1))
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), 2e-3), torch.optim.Adam(disc.parameters(), 2e-3)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    model = nn.ModuleDict({"G": gen, "D": disc})
+    with gradwatch.watch(model, [opt_g, opt_d], console=False) as gw:
+        for i in range(8):
+            real, z = torch.randn(8, 8), torch.randn(8, 4)
+            opt_d.zero_grad()
+            (bce(disc(real), torch.ones(8, 1)) + bce(disc(gen(z).detach()), torch.zeros(8, 1))).backward()
+            opt_d.step()
+            disc.requires_grad_(False)
+            (bce(disc(gen(z)), torch.ones(8, 1)) / 2).backward()
+            disc.requires_grad_(True)
+            if i % 2 == 1:
+                opt_g.step()
+                opt_g.zero_grad()
+    assert [f.kind for f in gw.findings if f.severity != "info"] == []
