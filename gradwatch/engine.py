@@ -356,6 +356,13 @@ class Engine:
             self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
             del self._losses[:mark]
 
+    def step_dropped(self) -> None:
+        """A GradScaler dropped a step since the latest backward pass (no optimizer step ran): the passes
+        counted so far were that step's, and a zero_grad() after it is the usual one before a step."""
+        self._backwards_since_check = 0
+        self._cleared_backwards = 0
+        self.cleared_between_backwards = False
+
     def drop_losses(self) -> None:
         """Forget the observed losses (a step not checked, or one whose check failed)."""
         self._losses.clear()

@@ -55,6 +55,8 @@ With one optimizer the same two hooks also tell the engine which observed losses
 step: a backward pass that finds the gradient cleared since the previous backward pass (``zero_grad``
 with no optimizer step in between: a batch the training code skipped, or one a GradScaler dropped)
 moves the losses observed up to that previous pass aside, so they never decide the next step's update.
+A GradScaler's dropped step (``scaler.update()`` wrote the scale with no optimizer step) ends the backward
+passes counted for the next update, as a step does: they were the dropped step's.
 
 Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
 backward passes counted, kept passes, state, the step of the previous check, whether Lightning's
@@ -141,6 +143,14 @@ class _Tracker:
         # gradient was cleared since the previous backward pass.
         self.on_backward: Any = None
         self.on_cleared: Any = None
+        # A GradScaler's dropped step (plain loop: scaler.step() never calls optimizer.step(), so no step is
+        # counted, but scaler.update() writes the scale in place): the passes before it were that step's, not
+        # the next update's. ``scale`` returns the scaler's scale tensor (or None); its version and the step
+        # count at the latest pass tell a scaler.update() since that pass with no optimizer step.
+        self.on_dropped: Any = None
+        self.scale: Any = None
+        self.pass_scale_version = -1
+        self.pass_steps = -1
         self.repick_after = 0  # no re-pick for an unreached representative before this step
         # Distributed runs: DDP's reducer writes the all-reduced gradient into .grad (or swaps its bucket
         # view in) at the end of each synced backward, after the post-accumulate hook: that is the pass's
@@ -189,6 +199,15 @@ class _Tracker:
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
         try:
+            if self.on_dropped is not None:
+                scale = self.scale()
+                if (
+                    scale is not None
+                    and scale._version != self.pass_scale_version
+                    and self.pass_steps == self.steps()
+                    and self.pass_steps >= 0
+                ):
+                    self.on_dropped()
             if self.post_ref is not None:
                 g = self.rep.grad if self.rep is not None else None
                 if g is None or g is not self.post_ref() or g._version != self.post_version:
@@ -229,6 +248,10 @@ class _Tracker:
             self.post_ptr = g.data_ptr() if not g.is_sparse else 0
             if self.on_backward is not None:
                 self.on_backward()
+            if self.on_dropped is not None:
+                scale = self.scale()
+                self.pass_scale_version = scale._version if scale is not None else -1
+                self.pass_steps = self.accumulated_at
             if self.reread_after_backward:
                 queue = torch.autograd.Variable._execution_engine.queue_callback
                 queue(lambda: queue(lambda: self.reread(param)))  # runs after every callback queued before
@@ -386,6 +409,12 @@ class ZeroGradTracker:
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
+            from gradwatch.amp import AmpMonitor
+
+            amp = engine.extension(AmpMonitor)
+            if amp is not None:
+                self.trackers[0].on_dropped = engine.step_dropped
+                self.trackers[0].scale = lambda: getattr(amp.scaler, "_scale", None)
         else:
             task = getattr(torch._C, "_current_graph_task_id", None)  # one C call per backward pass
             for t in self.trackers:
@@ -560,6 +589,11 @@ class ZeroGradTracker:
             stats.extra["zero_grad_missing"] = not old_zero
         i = facts.get("optimizer")
         tracker = self.trackers[i] if isinstance(i, int) and i < len(self.trackers) else None
+        dropped = stats.extra.get("scaler_dropped")
+        if tracker is not None and isinstance(dropped, tuple) and tracker.base_step == dropped[0]:
+            # The scaler's dropped steps came before this one, whose step number moved past them after the
+            # sync: the next check's "not cleared after the update of step N" names this update.
+            tracker.base_step = stats.step
         if (
             stats.extra["zero_grad_missing"]
             and facts.get("sentinel_cleared")

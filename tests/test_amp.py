@@ -219,6 +219,73 @@ def test_forgotten_zero_grad_under_a_scaler_is_reported_while_every_update_is_dr
     assert not [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
 
 
+def _classifier_amp_loop(scaler: torch.amp.GradScaler, steps: int, clear_every: int) -> list[gradwatch.Finding]:
+    """scaler.step()/update() every batch, zero_grad() every ``clear_every`` batches (1: the healthy loop)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        for i in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if (i + 1) % clear_every == 0:
+                opt.zero_grad()
+    return gw.findings
+
+
+def test_zero_grad_every_few_steps_behind_scaler_dropped_steps_is_missing_zero_grad_naming_an_applied_update() -> None:
+    # Reproduces a tester's report: the bug (zero_grad every 4th batch, the scaler steps every batch) was
+    # called zero_grad_in_accumulation at step 16 (the passes "thrown away" were the scaler's dropped steps
+    # 13-15), then zero_grad_missing "not cleared after the update of step 13", a dropped step.
+    findings = _classifier_amp_loop(torch.amp.GradScaler("cpu", init_scale=2.0**30), 24, clear_every=4)
+    assert [f.kind for f in findings if f.severity != "info"] == ["zero_grad_missing"], kinds(findings)
+    (f,) = [f for f in findings if f.kind == "zero_grad_missing"]
+    assert (f.step, f.data["previous_step"]) == (17, 16) and "after the update of step 16" in f.message
+    assert ("amp_overflow", 13) in kinds(findings)  # steps 13-15 dropped
+
+
+def test_runs_of_scaler_dropped_steps_in_a_healthy_loop_are_not_zero_grad_in_accumulation() -> None:
+    # Must not flag: zero_grad() every batch; the scale grows after every update (growth_interval=1) and
+    # overflows again for a few batches. Those batches' passes, cleared before the next, were the dropped
+    # steps' own: two such checks in a row were called zero_grad_in_accumulation.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_factor=4096.0, backoff_factor=0.125,
+                                  growth_interval=1)
+    findings = _classifier_amp_loop(scaler, 40, clear_every=1)
+    assert [f.kind for f in findings if f.severity != "info"] == [], kinds(findings)
+    assert len([f for f in findings if f.kind == "amp_overflow"]) >= 3
+
+
+def test_amp_accumulation_recipe_whose_first_update_is_a_flushed_remainder_is_silent() -> None:
+    # Must not flag: the AMP docs' accumulation recipe (k=3, the epoch's last 2 batches flushed); the scaler
+    # drops the first 13 updates, so the first one applied is a 2-batch flush and later windows sum 3:
+    # that is not an epoch's remainder carried into the next update (accumulation_remainder).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g) * 3, torch.randint(0, 4, (8,), generator=g)) for _ in range(20)]
+    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        for _ in range(3):
+            for i, (x, y) in enumerate(data):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss / 3).backward()
+                if (i + 1) % 3 == 0 or i + 1 == len(data):
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
+    assert kinds(gw.findings) == [("amp_overflow", 0)]
+    assert gw.findings[0].data["overflow_steps"] == 13
+
+
 def test_fused_optimizer_norms_are_of_unscaled_gradients() -> None:
     model = net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)

@@ -52,6 +52,8 @@ def _next(state: Any, stats: StepStats) -> tuple[Any, tuple[int, int, int, int] 
     if state == _OFF:
         return state, None
     n = _passes(stats)
+    if state is None and stats.extra.get("scaler_dropped"):
+        return state, None  # after a GradScaler's dropped steps the first update may be any window (a flush)
     if state is None:  # the run's first checked update sets k and the start of the period
         return ((stats.step, n, None) if n is not None and n >= 2 else _OFF), None
     start, k, odd = state
