@@ -405,6 +405,7 @@ class ZeroGradTracker:
             # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
             "lightning_automatic": self.integration == "lightning"
             and bool(getattr(self.engine.model, "automatic_optimization", True)),
+            "lightning": self.integration == "lightning",
             # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
             "last_backward_grad": g is not None
             and t.post_ref is not None

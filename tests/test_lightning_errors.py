@@ -167,6 +167,32 @@ def test_manual_optimization_without_zero_grad_is_flagged_at_step_1() -> None:
     assert set(f.params) == {"net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"}
 
 
+def test_manual_optimization_without_zero_grad_gets_the_manual_fix() -> None:
+    # Lightning discussions: "loss doesn't decrease with automatic_optimization=False" (opt.zero_grad() forgotten).
+    cb = fit(Manual(zero="never"), max_steps=4)
+    (f,) = [f for f in cb.findings if f.kind == "zero_grad_missing"]
+    fix = f.message.split("Fix:")[1]
+    assert "opt = self.optimizers()" in fix and "opt.zero_grad() right after opt.step()" in fix
+    assert "self.manual_backward" in fix and "loss.backward()" not in fix
+
+
+class SkipsZeroGrad(Automatic):
+    """An optimizer_zero_grad override meant to accumulate by hand: it clears every other batch only."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+def test_an_optimizer_zero_grad_override_that_keeps_the_gradients_gets_the_lightning_fix() -> None:
+    cb = fit(SkipsZeroGrad(), max_steps=4)
+    (f,) = [f for f in cb.findings if f.kind == "zero_grad_missing"]
+    assert f.step == 1
+    fix = f.message.split("Fix:")[1]
+    assert "optimizer_zero_grad" in fix and "Trainer(accumulate_grad_batches=k)" in fix
+    assert "loss.backward()" not in fix
+
+
 def test_manual_optimization_with_zero_grad_is_silent() -> None:
     assert fit(Manual(), max_steps=4).findings == []
 
