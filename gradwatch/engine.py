@@ -15,7 +15,7 @@ import operator
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -844,7 +844,10 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
-            found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
+            if finding is not None and finding.data.get("loss_nonfinite"):
+                found = self._forward_born(exc, s, finding)
+            else:
+                found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None
@@ -880,6 +883,31 @@ class Engine:
                           nan_counts=dict(counts[0]), inf_counts=dict(counts[1]))
         stats.extra["raised"] = type(exc).__name__
         return [finding, *self._incident(stats, [finding])]
+
+    def _forward_born(self, exc: BaseException, step: int, anomaly: Finding) -> list[Finding]:
+        """Anomaly mode stopped backward on a loss that was NaN/Inf already: the NaN was born in the forward
+        pass, and the backward op anomaly mode names only carries it. Localized like a checked step's
+        incident (the batch named as nonfinite_input, or the forward op as nan_origin, by a replay); the
+        anomaly finding stays when that names nothing."""
+        loss = anomaly.data.get("loss")
+        stats = StepStats(step=step, loss=loss if isinstance(loss, float) else math.nan, loss_nonfinite=True)
+        stats.extra["raised"] = type(exc).__name__
+        stats.extra["anomaly_nan"] = True  # a numerical error, raised with the Trainer intact: replayable
+        self.drop_losses()
+        found = [f for f in self._incident(stats, [anomaly]) if f.kind in ("nan_origin", "nonfinite_input")]
+        if not any(f.kind == "nonfinite_input" or f.data.get("op") or f.data.get("source") for f in found):
+            return [anomaly, *found]
+        note = (
+            f"Anomaly mode stopped backward at {anomaly.op}, the first backward op that returned NaN: it only "
+            "carried the NaN of the loss (anomaly mode checks backward outputs only). Training stopped with "
+            "PyTorch's error."
+        )
+        out = []
+        for f in found:
+            f.data.update(raised=True, anomaly_error=str(exc), anomaly_op=anomaly.op)
+            head, sep, fix = f.message.partition("\nFix:")
+            out.append(replace(f, message=f"{head}\n{note}{sep}{fix}") if sep and f.kind == "nan_origin" else f)
+        return out
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:

@@ -262,6 +262,8 @@ class Broken(Automatic):
         if self.bug == "no_grad":
             with torch.no_grad():
                 return nn.functional.mse_loss(self.net(x), y)
+        if self.bug == "sqrt_negative" and self.global_step == 2:
+            x = torch.cat([torch.sqrt(x[:, :1] - 10), x[:, 1:]], 1)  # sqrt of a negative: NaN in the forward
         out = self.net(x)
         if self.bug == "nonscalar":
             return out
@@ -327,6 +329,20 @@ def test_trainer_detect_anomaly_error_is_explained_as_the_nan_origin() -> None:
     [f] = [f for f in cb.findings if f.kind == "nan_origin"]
     assert (f.step, f.data["phase"]) == (2, "backward") and f.op in raised.value.args[0]
     assert "an Inf reached it from an earlier backward op" in f.message  # sqrt's Inf, NaN at a matmul
+
+
+def test_trainer_detect_anomaly_on_a_nan_born_in_the_forward_names_the_forward_op() -> None:
+    # The loss was NaN already: anomaly mode stops at the first backward op (MseLossBackward0), which only
+    # carries it. gradwatch said "an Inf reached it from an earlier backward op" and blamed that op.
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="returned nan values") as raised:
+        tiny_trainer(pl, [cb], max_steps=4, detect_anomaly=True).fit(Broken("sqrt_negative"))
+    assert type(raised.value) is RuntimeError
+    [f] = [f for f in cb.findings if f.kind == "nan_origin"]
+    assert (f.step, f.data["phase"], f.data["op"]) == (2, "forward", "torch.sqrt"), f.message
+    assert "torch.sqrt(x[:, :1] - 10)" in f.message and "Inf reached it" not in f.message
+    assert f.data["raised"] and "Training stopped with PyTorch's error" in f.message
+    assert not torch.is_anomaly_enabled()
 
 
 def test_detect_anomaly_still_stops_at_a_nan_inside_gradwatchs_escalation_window() -> None:
