@@ -435,7 +435,7 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         )
     message = (
         f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n" + why + fix
-        + "; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
+        + _accumulation_hint(stats) + "; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
         "LSTM/GRU; for deep nets add normalization or residual connections. (If the objective changed at this "
         "step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is expected.)"
     )
@@ -456,6 +456,22 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             "table": [{"layer": k, "grad_norm": v} for k, v in top],
             **({"since": since["step"]} if since is not None else {}),
         },
+    )
+
+
+def _accumulation_hint(stats: StepStats) -> str:
+    """The step sums several backward passes (gradient accumulation by hand): a loss not divided by their
+    number makes the gradient, and the update, that many times larger. Not in Lightning's automatic
+    optimization, which divides the loss by accumulate_grad_batches itself."""
+    passes = stats.extra.get("backward_passes")
+    facts = stats.extra.get("zero_grad") or {}
+    if not (isinstance(passes, tuple) and passes[0] >= 2 and passes[1] == 0) or facts.get("lightning_automatic"):
+        return ""
+    n = passes[0]
+    return (
+        f"; this update sums {n} backward passes: if each micro-batch's loss is not divided by {n} "
+        f"((loss / {n}).backward()), the gradient and the update are {n}x what one batch tuned the learning "
+        "rate for"
     )
 
 
