@@ -144,10 +144,20 @@ def _anomaly_nan(ctx: _Context, op: str, index: int) -> Finding:
 
     losses = [t for t in ctx.roots() if t.numel() == 1]
     loss_note = ""
+    loss: float | None = None
     if losses and not bool(torch.isfinite(losses[0].detach()).all()):  # the error path: one read
-        loss_note = f" The loss itself was {float(losses[0].detach().reshape(())):g} already."
+        loss = float(losses[0].detach().reshape(()))
+        loss_note = f" The loss itself was {loss:g} already."
     fix = fix_for(op)
-    if fix is _GENERIC_FIX:
+    if loss is not None:
+        # The NaN was there before backward: no backward op made it, this one only carries it.
+        fix = (
+            f"the NaN/Inf was born in the forward pass or in the loss, before backward; {op} only carries it. "
+            "Look at sqrt, log, pow and divisions of zero or negative values in the forward pass and the loss "
+            "(clamp their inputs, add an epsilon), and check the batch for NaN/Inf; without detect_anomaly, "
+            "gradwatch names the forward op and line where it was born."
+        )
+    elif fix is _GENERIC_FIX:
         fix = (
             f"{op} rarely makes a NaN from finite values: an Inf reached it from an earlier backward op. Look "
             "at sqrt, log, pow and divisions on the forward line anomaly mode printed and before it, or "
@@ -166,7 +176,8 @@ def _anomaly_nan(ctx: _Context, op: str, index: int) -> Finding:
             f"Fix: {fix}"
         ),
         op=op,
-        data={"phase": "backward", "op": op, "output": index, "anomaly_error": str(ctx.exc), "raised": True},
+        data={"phase": "backward", "op": op, "output": index, "anomaly_error": str(ctx.exc), "raised": True,
+              **({"loss_nonfinite": True, "loss": loss} if loss is not None else {})},
     )
 
 

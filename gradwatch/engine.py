@@ -15,7 +15,7 @@ import operator
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -122,9 +122,14 @@ class Engine:
         #: Called with every loss tensor given to :meth:`observe_loss`, before it is detached (O(1) each).
         self.loss_observers: list[Any] = []
         self._losses: list[torch.Tensor] = []
+        # Aligned with ``_losses``: for a loss with a graph, a one-element list that a hook on its grad_fn sets
+        # once a backward pass runs through it; None when gradwatch cannot tell (no graph).
+        self._loss_reached: list[list[bool] | None] = []
         # Losses of earlier backward passes whose gradients were cleared without an optimizer step (a
-        # skipped batch): read with the next step, never held against its update.
+        # skipped batch), or of batches never backpropagated: read with the next step, never held against
+        # its update. ``_stale_unused`` counts those of the second kind (they come last).
         self._stale_losses: list[torch.Tensor] = []
+        self._stale_unused = 0
         self._loss_mark = 0  # len(self._losses) when the latest backward pass reached the gradients
         #: Gradients were cleared between two backward passes since the previous check (single optimizer).
         self.cleared_between_backwards = False
@@ -331,10 +336,12 @@ class Engine:
             if loss.numel() == 0 or loss.is_meta:
                 return  # no value to read: an empty batch, or a model on the meta device
             self._losses.append(loss.detach())
+            self._loss_reached.append(_reach_flag(loss))
             for observe in self.loss_observers:
                 observe(loss)
         elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
             self._losses.append(torch.tensor(float(loss)))
+            self._loss_reached.append(None)
         else:
             raise TypeError(
                 f"observe_loss() takes the loss as a tensor or a number, got {type(loss).__name__}: {loss!r:.80}"
@@ -355,6 +362,7 @@ class Engine:
         if mark:
             self._stale_losses = (self._stale_losses + self._losses[:mark])[-64:]
             del self._losses[:mark]
+            del self._loss_reached[:mark]
 
     def step_dropped(self) -> None:
         """A GradScaler dropped a step since the latest backward pass (no optimizer step ran): the passes
@@ -366,8 +374,24 @@ class Engine:
     def drop_losses(self) -> None:
         """Forget the observed losses (a step not checked, or one whose check failed)."""
         self._losses.clear()
+        self._loss_reached.clear()
         self._stale_losses = []
+        self._stale_unused = 0
         self._loss_mark = 0
+
+    def _set_aside_unused_losses(self) -> None:
+        """The losses of this step that no backward pass ran through, while others were: batches the
+        training code left out (``if torch.isnan(loss): continue`` before ``backward()``). Their NaN/Inf is
+        no reason to skip the update made of the other batches. When no observed loss was reached (observed
+        after its backward, or under a closure) nothing is moved: gradwatch cannot tell."""
+        reached = self._loss_reached
+        if len(reached) != len(self._losses) or not any(r is not None and r[0] for r in reached):
+            return
+        unused = [l for l, r in zip(self._losses, reached) if r is not None and not r[0]]
+        if unused:
+            self._losses = [l for l, r in zip(self._losses, reached) if r is None or r[0]]
+            self._stale_losses = (self._stale_losses + unused)[-64:]
+            self._stale_unused = min(len(unused), len(self._stale_losses))
 
     def should_check(self, opt_index: int, step: int | None = None) -> bool:
         s = self.step_counts[opt_index] if step is None else step
@@ -465,6 +489,8 @@ class Engine:
         if norm_slots is None:
             norm_slots = queue_grad_norms(batch, grads)
         loss_slot = -1
+        self._set_aside_unused_losses()
+        self._loss_reached = []
         if self._losses:
             losses = self._losses
             first = losses[0]
@@ -482,7 +508,10 @@ class Engine:
             device = grads[0].device if grads else self._stale_losses[0].device
             stale = [l.float().mean().reshape(1).to(device, non_blocking=True) for l in self._stale_losses]
             stale_slot = batch.add(torch.cat(stale))
+            if self._stale_unused:
+                stats.extra["stale_unused"] = self._stale_unused  # the last ones never reached a backward
             self._stale_losses = []
+            self._stale_unused = 0
         ctx = StepContext(stats=stats, batch=batch, grads=grads, params=gparams, engine=self, norm_slots=norm_slots)
         ctx.slots["loss"] = loss_slot
         ctx.slots["stale_loss"] = stale_slot
@@ -822,7 +851,10 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
-            found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
+            if finding is not None and finding.data.get("loss_nonfinite"):
+                found = self._forward_born(exc, s, finding)
+            else:
+                found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None
@@ -858,6 +890,31 @@ class Engine:
                           nan_counts=dict(counts[0]), inf_counts=dict(counts[1]))
         stats.extra["raised"] = type(exc).__name__
         return [finding, *self._incident(stats, [finding])]
+
+    def _forward_born(self, exc: BaseException, step: int, anomaly: Finding) -> list[Finding]:
+        """Anomaly mode stopped backward on a loss that was NaN/Inf already: the NaN was born in the forward
+        pass, and the backward op anomaly mode names only carries it. Localized like a checked step's
+        incident (the batch named as nonfinite_input, or the forward op as nan_origin, by a replay); the
+        anomaly finding stays when that names nothing."""
+        loss = anomaly.data.get("loss")
+        stats = StepStats(step=step, loss=loss if isinstance(loss, float) else math.nan, loss_nonfinite=True)
+        stats.extra["raised"] = type(exc).__name__
+        stats.extra["anomaly_nan"] = True  # a numerical error, raised with the Trainer intact: replayable
+        self.drop_losses()
+        found = [f for f in self._incident(stats, [anomaly]) if f.kind in ("nan_origin", "nonfinite_input")]
+        if not any(f.kind == "nonfinite_input" or f.data.get("op") or f.data.get("source") for f in found):
+            return [anomaly, *found]
+        note = (
+            f"Anomaly mode stopped backward at {anomaly.op}, the first backward op that returned NaN: it only "
+            "carried the NaN of the loss (anomaly mode checks backward outputs only). Training stopped with "
+            "PyTorch's error."
+        )
+        out = []
+        for f in found:
+            f.data.update(raised=True, anomaly_error=str(exc), anomaly_op=anomaly.op)
+            head, sep, fix = f.message.partition("\nFix:")
+            out.append(replace(f, message=f"{head}\n{note}{sep}{fix}") if sep and f.kind == "nan_origin" else f)
+        return out
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:
@@ -936,6 +993,24 @@ class Engine:
         self.kind_counts = Counter({str(k): int(v) for k, v in state.get("kind_counts", {}).items()})
         self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
         self.history.load_state_dict(state.get("history", {}))
+
+
+def _reach_flag(loss: torch.Tensor) -> list[bool] | None:
+    """A flag a hook on ``loss.grad_fn`` sets when a backward pass runs through it (O(1): one hook on the
+    loss's own node, none on the model). None for a loss with no graph, or when the hook cannot be placed."""
+    node = loss.grad_fn
+    if node is None:
+        return None
+    flag = [False]
+
+    def reached(grad_outputs: Any) -> None:
+        flag[0] = True
+
+    try:
+        node.register_prehook(reached)
+    except Exception:  # noqa: BLE001 - a node that takes no hook: the loss counts as this step's
+        return None
+    return flag
 
 
 def _weak_method(obj: Any, name: str) -> Any:

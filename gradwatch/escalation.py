@@ -575,7 +575,7 @@ class Escalation:
                     )
                 return out
             self._poison_reported = False
-            if stats.extra.get("raised") and self.integration != "plain":
+            if stats.extra.get("raised") and self.integration != "plain" and not stats.extra.get("anomaly_nan"):
                 return out  # the training code raised: training_step is not replayed in a failing Trainer
             result = self._localize()
             if result is not None and self._culprit is not None:

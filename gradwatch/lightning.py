@@ -243,9 +243,9 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
                 engine.add_extension(ext)
         except Exception as exc:  # noqa: BLE001 - the core checks still run without the extensions
             internal_warning("GradWatchCallback: default_extensions", exc)
-        clip = _norm_clip_value(trainer, pl_module)
-        if clip is not None:
-            engine.add_extension(ClipRatio(clip))
+        how, clip = _clipping(trainer, pl_module)
+        manual = not bool(getattr(pl_module, "automatic_optimization", True))
+        engine.add_extension(ClipRatio(clip, how=how, manual=manual))
         if carried is not None:
             engine.load_state_dict(carried)
         self._pending_state = None
@@ -527,13 +527,19 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
 
 
 class ClipRatio:
-    """Engine extension: logs ``gradwatch/clip_ratio``, the factor Lightning's norm clipping applies.
+    """Engine extension: logs ``gradwatch/clip_ratio``, the factor Lightning's norm clipping applies, and
+    tells the magnitude checks how this run clips (``stats.extra["clipping"]``: Lightning's norm or value
+    clipping, the module's own ``configure_gradient_clipping``, or none), so that their findings do not tell
+    a user who clips to add clipping.
 
     Reads the step's pre-clip total norm (already synced with the step's statistics): no extra sync.
     """
 
-    def __init__(self, clip_val: float) -> None:
-        self.clip_val = float(clip_val)
+    def __init__(self, clip_val: float | None, how: str | None = "norm", manual: bool = False) -> None:
+        self.clip_val = float(clip_val) if clip_val else None
+        self.how = how if how is not None and (self.clip_val is not None or how == "module") else None
+        # One dict for the run: the checks read it, nothing is built per step.
+        self.facts = {"lightning": True, "how": self.how, "clip_val": self.clip_val, "manual": manual}
         self._multi = False
 
     def attach(self, engine: Engine) -> None:
@@ -541,7 +547,8 @@ class ClipRatio:
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
-        if not stats.names or not math.isfinite(stats.total_norm):
+        stats.extra["clipping"] = self.facts
+        if self.how != "norm" or self.clip_val is None or not stats.names or not math.isfinite(stats.total_norm):
             return
         ratio = min(1.0, self.clip_val / (stats.total_norm + 1e-6))  # clip_grad_norm_'s own formula
         suffix = f"_opt{stats.optimizer_index}" if self._multi else ""
@@ -600,17 +607,21 @@ def _scaler(trainer: Any) -> Any:
     return getattr(plugin, "scaler", None)
 
 
-def _norm_clip_value(trainer: Any, pl_module: Any) -> float | None:
-    clip = getattr(trainer, "gradient_clip_val", None)
-    if not clip or clip <= 0:
-        return None
-    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
-    if algorithm is not None and str(getattr(algorithm, "value", algorithm)).lower() != "norm":
-        return None
+def _clipping(trainer: Any, pl_module: Any) -> tuple[str | None, float | None]:
+    """How Lightning clips this run's gradients after gradwatch's check: ``("norm" | "value", clip)`` from
+    ``Trainer(gradient_clip_val=...)``, ``("module", clip)`` when the module overrides
+    ``configure_gradient_clipping`` (it clips its own way: the ratio would be a guess), or ``(None, None)``."""
     for cls in type(pl_module).__mro__:
         if "configure_gradient_clipping" in vars(cls) and not cls.__module__.startswith(_LIGHTNING_PACKAGES):
-            return None  # the module clips its own way; the ratio would be a guess
-    return float(clip)
+            clip = getattr(trainer, "gradient_clip_val", None)
+            return "module", float(clip) if isinstance(clip, (int, float)) and clip > 0 else None
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if not isinstance(clip, (int, float)) or clip <= 0:
+        return None, None
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    if algorithm is not None and str(getattr(algorithm, "value", algorithm)).lower() != "norm":
+        return "value", float(clip)
+    return "norm", float(clip)
 
 
 __all__ = ["GradWatchCallback", "ClipRatio", "INSTALL_HINT"]

@@ -37,8 +37,9 @@ bump of the sentinel may as well be one more backward pass.
 at step time the optimizer has no gradient at all, or every gradient is zero after an in-place change
 that came after the last backward (``zero_grad(set_to_none=False)`` called between ``backward()`` and
 ``step()``). Telling the latter from an all-zero gradient that was merely clipped needs the gradient's
-value right after backward: once a step looks like that, the post-accumulate hook queues one lazy scalar
-per backward until a step no longer does, so such a finding comes one step later.
+value right after backward: on the first step, and once a step looks like that, the post-accumulate hook
+queues one lazy scalar per backward until a step no longer does, so such a finding comes at step 0 or one
+step after the first suspicious one.
 
 ``zero_grad_in_accumulation`` needs the step's gradient to be the last backward pass's. Clipping or
 unscaling it in place after that pass keeps it so; writing other values into it (``p.grad.copy_(summed)``
@@ -133,7 +134,10 @@ class _Tracker:
         self.post_version = 0
         self.post_ptr = 0  # its storage (``p.grad.data = summed`` keeps the tensor, swaps the storage)
         self.post_nonzero: torch.Tensor | None = None  # lazy: the gradient right after it was non-zero
-        self.watch_after_backward = False  # queue post_nonzero (armed by a suspicious step)
+        # Queue post_nonzero (armed by a suspicious step). Armed for the first step too: one lazy scalar per
+        # backward pass of that step only, so zero_grad(set_to_none=False) between the last backward and the
+        # very first step() is reported at step 0, as zero_grad() (None gradients) is.
+        self.watch_after_backward = True
         # Armed by a step of cleared backward passes: a parameter of SAMPLE+ elements, and its gradient
         # after the latest backward pass (reference, version, storage, SAMPLE elements of it).
         self.sampled: torch.Tensor | None = None
@@ -446,6 +450,7 @@ class ZeroGradTracker:
             # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
             "lightning_automatic": self.integration == "lightning"
             and bool(getattr(self.engine.model, "automatic_optimization", True)),
+            "lightning": self.integration == "lightning",
             # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
             "last_backward_grad": g is not None
             and t.post_ref is not None

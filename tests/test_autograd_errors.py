@@ -955,3 +955,40 @@ def test_state_kept_on_modules_across_iterations_is_named() -> None:
     (f,) = [f for f in gw.findings if f.kind == "backward_twice"]
     assert f.step == 1 and f.data["state_attributes"] == ["lif1.mem"] and f.module == "lif1"
     assert "self.mem = self.mem.detach()" in f.message
+
+
+# -- anomaly mode ----------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore")  # anomaly mode's forward tracebacks
+def test_anomaly_mode_on_a_nan_born_in_the_forward_names_the_forward_op() -> None:
+    # torch.autograd.detect_anomaly() stops at the first backward op returning NaN, which only carries the NaN
+    # of a loss that was NaN already: gradwatch blamed that op ("an Inf reached it from an earlier backward op").
+    class SqrtFeature(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 8)
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([torch.sqrt(x[:, :1]), x[:, 1:]], 1)  # NaN for a negative feature
+            return self.out(torch.relu(self.lin(x)))
+
+    torch.manual_seed(0)
+    model = SqrtFeature()
+
+    def body(i: int, x: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        x = x.clone()
+        x[:, 0] = x[:, 0].abs() + 0.1
+        if i == 2:
+            x[1, 0] = -2.0
+        opt.zero_grad()
+        with torch.autograd.detect_anomaly():
+            model(x).pow(2).mean().backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="returned nan values"):
+        run(model, body)
+    f = only(run.gw, "nan_origin")  # type: ignore[attr-defined]
+    assert (f.step, f.data["phase"], f.data["op"], f.module) == (2, "forward", "torch.sqrt", "<root>"), f.message
+    assert "torch.sqrt(x[:, :1])" in f.message and "Inf reached it" not in f.message
+    assert f.data["raised"] and f.data["anomaly_op"] in f.message
+    assert not torch.is_anomaly_enabled()

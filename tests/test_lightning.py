@@ -630,3 +630,64 @@ def test_callback_with_a_console_object_pickles_for_ddp_spawn(lightning_pytorch:
     again = tiny_trainer(lightning_pytorch, [copy], max_steps=3)  # the copy watches a run of its own
     again.fit(tiny_module(lightning_pytorch, nan_at=1))
     assert [(f.kind, f.step) for f in copy.findings if f.kind == "nonfinite_grad"] == [("nonfinite_grad", 1)]
+
+
+def _spiking_module(ns: Any, clip_override: bool = False) -> Any:
+    class Spiking(ns.LightningModule):  # type: ignore[misc,name-defined]
+        """Healthy regression, then one batch whose loss is 1e5x (a spiky batch) at batch 30."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            return loss * 1e5 if self.global_step == 30 else loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            from conftest import tiny_data
+
+            return tiny_data(n=320)
+
+        if clip_override:
+            def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                            gradient_clip_algorithm: Any = None) -> None:
+                if self.current_epoch >= 0:  # the Lightning docs' example clips after a warm-up epoch
+                    self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                                        gradient_clip_algorithm=gradient_clip_algorithm)
+
+    return Spiking()
+
+
+@pytest.mark.parametrize("clipping", ["norm", "value", "override", "none"])
+def test_exploding_grad_and_loss_spike_under_lightning_clipping_say_it_is_in_place(lightning_pytorch: Any,
+                                                                                   clipping: str) -> None:
+    # With Trainer(gradient_clip_val=...) both findings told the user to add clipping, and that the update
+    # threw the weights far, although Lightning had scaled it down to gradient_clip_val.
+    ns = lightning_pytorch
+    kwargs: dict[str, Any] = {"max_steps": 32}
+    if clipping != "none":
+        kwargs["gradient_clip_val"] = 0.3
+    if clipping == "value":
+        kwargs["gradient_clip_algorithm"] = "value"
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(ns, [cb], **kwargs).fit(_spiking_module(ns, clip_override=clipping == "override"))
+    found = {f.kind: f for f in cb.findings}
+    assert {"exploding_grad", "loss_spike"} <= set(found), [(f.kind, f.step) for f in cb.findings]
+    for kind in ("exploding_grad", "loss_spike"):
+        f = found[kind]
+        assert f.step == 30
+        why, fix = f.message.split("Why it matters:")[1].split("Fix:")
+        assert "clip_grad_norm_" not in f.message
+        if clipping == "none":
+            assert "Trainer(gradient_clip_val=1.0)" in fix
+        else:
+            assert "clipping is in place" in fix and fix.index("learning rate") < fix.index("batch")
+            assert {"norm": "scaled this step's gradient down", "value": "+-0.3",
+                    "override": "configure_gradient_clipping"}[clipping] in why
+            assert "throws the weights far" not in why

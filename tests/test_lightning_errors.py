@@ -167,6 +167,32 @@ def test_manual_optimization_without_zero_grad_is_flagged_at_step_1() -> None:
     assert set(f.params) == {"net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"}
 
 
+def test_manual_optimization_without_zero_grad_gets_the_manual_fix() -> None:
+    # Lightning discussions: "loss doesn't decrease with automatic_optimization=False" (opt.zero_grad() forgotten).
+    cb = fit(Manual(zero="never"), max_steps=4)
+    (f,) = [f for f in cb.findings if f.kind == "zero_grad_missing"]
+    fix = f.message.split("Fix:")[1]
+    assert "opt = self.optimizers()" in fix and "opt.zero_grad() right after opt.step()" in fix
+    assert "self.manual_backward" in fix and "loss.backward()" not in fix
+
+
+class SkipsZeroGrad(Automatic):
+    """An optimizer_zero_grad override meant to accumulate by hand: it clears every other batch only."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+def test_an_optimizer_zero_grad_override_that_keeps_the_gradients_gets_the_lightning_fix() -> None:
+    cb = fit(SkipsZeroGrad(), max_steps=4)
+    (f,) = [f for f in cb.findings if f.kind == "zero_grad_missing"]
+    assert f.step == 1
+    fix = f.message.split("Fix:")[1]
+    assert "optimizer_zero_grad" in fix and "Trainer(accumulate_grad_batches=k)" in fix
+    assert "loss.backward()" not in fix
+
+
 def test_manual_optimization_with_zero_grad_is_silent() -> None:
     assert fit(Manual(), max_steps=4).findings == []
 
@@ -236,6 +262,8 @@ class Broken(Automatic):
         if self.bug == "no_grad":
             with torch.no_grad():
                 return nn.functional.mse_loss(self.net(x), y)
+        if self.bug == "sqrt_negative" and self.global_step == 2:
+            x = torch.cat([torch.sqrt(x[:, :1] - 10), x[:, 1:]], 1)  # sqrt of a negative: NaN in the forward
         out = self.net(x)
         if self.bug == "nonscalar":
             return out
@@ -301,6 +329,20 @@ def test_trainer_detect_anomaly_error_is_explained_as_the_nan_origin() -> None:
     [f] = [f for f in cb.findings if f.kind == "nan_origin"]
     assert (f.step, f.data["phase"]) == (2, "backward") and f.op in raised.value.args[0]
     assert "an Inf reached it from an earlier backward op" in f.message  # sqrt's Inf, NaN at a matmul
+
+
+def test_trainer_detect_anomaly_on_a_nan_born_in_the_forward_names_the_forward_op() -> None:
+    # The loss was NaN already: anomaly mode stops at the first backward op (MseLossBackward0), which only
+    # carries it. gradwatch said "an Inf reached it from an earlier backward op" and blamed that op.
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="returned nan values") as raised:
+        tiny_trainer(pl, [cb], max_steps=4, detect_anomaly=True).fit(Broken("sqrt_negative"))
+    assert type(raised.value) is RuntimeError
+    [f] = [f for f in cb.findings if f.kind == "nan_origin"]
+    assert (f.step, f.data["phase"], f.data["op"]) == (2, "forward", "torch.sqrt"), f.message
+    assert "torch.sqrt(x[:, :1] - 10)" in f.message and "Inf reached it" not in f.message
+    assert f.data["raised"] and "Training stopped with PyTorch's error" in f.message
+    assert not torch.is_anomaly_enabled()
 
 
 def test_detect_anomaly_still_stops_at_a_nan_inside_gradwatchs_escalation_window() -> None:

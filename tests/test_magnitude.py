@@ -1004,3 +1004,23 @@ def test_a_learning_rate_far_too_high_reports_the_skipped_overflow_and_its_cause
     assert "their norm overflows float32" in stop.message and "nonfinite finding" not in stop.message
     diverging = [f for f in gw.findings if f.kind == "loss_diverging" and f.step >= skipped_from]
     assert all("nothing else stops the run" not in f.message for f in diverging)
+
+
+@pytest.mark.parametrize("k", [1, 16])
+def test_exploding_grad_of_an_accumulated_step_suggests_dividing_the_loss(k: int) -> None:
+    # Forum: "loss explodes when I enable gradient accumulation": 16 micro-batches summed, loss not divided
+    # by 16, a learning rate tuned for one batch. The fix did not say to divide the loss.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05 * 16 / k, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 1, generator=g)
+    with gradwatch.watch(model, opt, console=False, max_skips=None) as gw:
+        for i in range(8 * k):
+            x = torch.randn(8, 20, generator=g)
+            nn.functional.mse_loss(model(x), x @ w).backward()  # not divided by k
+            if (i + 1) % k == 0:
+                opt.step()
+                opt.zero_grad()
+    f = next(f for f in gw.findings if f.kind == "exploding_grad")
+    assert ("divided by 16" in f.message) == (k == 16)

@@ -724,6 +724,71 @@ def test_batch_the_user_skipped_does_not_skip_the_next_healthy_update(set_to_non
     assert "no update used it" in f.message
 
 
+def _nan_guarded_run(watched: bool, guard: str, k: int, nan_at: int):
+    # `loss = ...; gw.observe_loss(loss); if not torch.isfinite(loss): continue` before backward():
+    # "zg" calls zero_grad() at the top of every batch (the canonical loop); "cont" accumulates k
+    # micro-batches and skips the NaN one; "zgcont" also throws the window away with zero_grad().
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ctx = gradwatch.watch(model, opt, console=False) if watched else None
+    for i, x in enumerate(batches(12 * k)):
+        if guard == "zg":
+            opt.zero_grad()
+        loss = model(x).pow(2).mean() / k
+        if i == nan_at:
+            loss = loss * float("nan")
+        if ctx is not None:
+            ctx.observe_loss(loss)
+        if not torch.isfinite(loss):
+            if guard == "zgcont":
+                opt.zero_grad()
+            continue
+        loss.backward()
+        if guard == "zg" or (i + 1) % k == 0:
+            opt.step()
+            if guard != "zg":
+                opt.zero_grad()
+    if ctx is not None:
+        ctx.close()
+    return model, ctx
+
+
+@pytest.mark.parametrize("guard,k,nan_at", [("zg", 1, 5), ("cont", 1, 3), ("cont", 4, 9), ("zgcont", 4, 9),
+                                            ("cont", 4, 11)])
+def test_a_nan_loss_the_code_never_backpropagated_does_not_skip_the_next_update(guard: str, k: int,
+                                                                                 nan_at: int) -> None:
+    # The common NaN guard `if torch.isnan(loss): continue` after gw.observe_loss(loss): that batch's NaN
+    # loss was charged to the next (healthy) update, which gradwatch skipped.
+    bare, _ = _nan_guarded_run(False, guard, k, nan_at)
+    model, gw = _nan_guarded_run(True, guard, k, nan_at)
+    assert all(torch.equal(a, b) for a, b in zip(bare.state_dict().values(), model.state_dict().values()))
+    assert gw.engine.steps_skipped == 0
+    (f,) = gw.findings
+    assert (f.kind, f.severity, f.data["no_update"]) == ("nonfinite_loss", "warning", True)
+    assert "did not backpropagate" in f.message
+
+
+def test_a_nan_loss_that_is_backpropagated_is_still_skipped_at_its_step() -> None:
+    # Accumulation with observe_loss per micro-batch, the NaN micro-batch backpropagated: its step is skipped.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i, x in enumerate(batches(16)):
+            loss = model(x).pow(2).mean() / 4
+            if i == 9:
+                loss = loss + float("nan")  # the loss value only: every gradient stays finite
+            gw.observe_loss(loss)
+            loss.backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    assert gw.engine.steps_skipped == 1
+    assert ("nonfinite_loss", 2) in kinds(gw)
+    assert all(f.severity == "error" for f in gw.findings if f.kind == "nonfinite_loss")
+
+
 # https://github.com/pytorch/pytorch/pull/53843 (clip_grad_norm_'s error_if_nonfinite)
 def test_clip_grad_norm_raising_on_a_nan_step_is_named_and_the_error_kept():
     torch.manual_seed(0)

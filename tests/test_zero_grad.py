@@ -289,17 +289,20 @@ def test_zero_grad_between_backward_and_step_is_flagged_not_no_grads() -> None:
     assert "zero_grad() was called between loss.backward() and optimizer.step()" in gw.findings[0].message
 
 
-def test_zero_grad_without_set_to_none_between_backward_and_step_is_flagged() -> None:
+@pytest.mark.parametrize("k", [1, 4])
+def test_zero_grad_without_set_to_none_between_backward_and_step_is_flagged_at_step_0(k: int) -> None:
+    # With k micro-batches: `if (i + 1) % k == 0: opt.zero_grad(set_to_none=False); opt.step()` (PyTorch forums,
+    # "loss not decreasing with gradient accumulation"). It came at step 1, zero_grad() at step 0.
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with gradwatch.watch(model, opt, console=False) as gw:
-        for x in batches(3):
-            model(x).pow(2).mean().backward()
-            opt.zero_grad(set_to_none=False)
-            opt.step()
-    # The first step has no earlier gradient to compare with; the second one shows it.
-    assert zero_kinds(gw) == [("grads_cleared_before_step", 1)]
+        for i, x in enumerate(batches(3 * k)):
+            (model(x).pow(2).mean() / k).backward()
+            if (i + 1) % k == 0:
+                opt.zero_grad(set_to_none=False)
+                opt.step()
+    assert zero_kinds(gw) == [("grads_cleared_before_step", 0)]
 
 
 # -- must not flag: every healthy way of clearing gradients ----------------------------------------

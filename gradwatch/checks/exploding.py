@@ -40,6 +40,8 @@ from gradwatch.history import History
 from gradwatch.magnitude import (
     EARLY_NORM,
     WANT_PARAM_NORMS,
+    clip_advice,
+    clipping_in_place,
     converged,
     measure_param_norms,
     median,
@@ -407,13 +409,33 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             "warn": "on_nonfinite='warn': the update was applied; the next forward pass is likely to overflow.",
             "raise": "on_nonfinite='raise': training stops before the update.",
         }[config.on_nonfinite]
+    # Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping.
+    clipped = None if "overflow" in reasons else clipping_in_place(stats, this_step=since is None)
+    if clipped is not None:
+        why = (
+            f"Why it matters: {clipped}, so {_UNLESS.get(stats.extra['clipping']['how'], '')}the weights did "
+            "not move by this gradient's size. But a gradient "
+            "this far above its usual size means this batch or the training went wrong (an outlier or "
+            "mislabelled batch, a loss term that blew up, a learning rate too high for this point of training); "
+            "while clipping scales such steps down, each one steers the weights by one bad batch and hides the "
+            "cause until the loss diverges.\n"
+        )
+        fix = (
+            "Fix: clipping is in place (keep it); lower the learning rate or lengthen its warm-up, and check "
+            "this step's batch for outliers (its loss, labels and inputs)"
+        )
+    else:
+        why = (
+            "Why it matters: an update this large throws the weights far from where training was: the loss "
+            "jumps or diverges, and Adam's moment estimates stay polluted for many steps.\n"
+        )
+        fix = (
+            f"Fix: clip gradients ({clip_advice(stats)}), lower the learning rate or lengthen its warm-up, and "
+            "check the batch for outliers"
+        )
     message = (
-        f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n"
-        "Why it matters: an update this large throws the weights far from where training was: the loss "
-        "jumps or diverges, and Adam's moment estimates stay polluted for many steps.\n"
-        "Fix: clip gradients (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0) between "
-        "backward() and optimizer.step()), lower the learning rate or lengthen its warm-up, and check the "
-        "batch for outliers; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
+        f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n" + why + fix
+        + _accumulation_hint(stats) + "; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
         "LSTM/GRU; for deep nets add normalization or residual connections. (If the objective changed at this "
         "step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is expected.)"
     )
@@ -435,6 +457,26 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             **({"since": since["step"]} if since is not None else {}),
         },
     )
+
+
+def _accumulation_hint(stats: StepStats) -> str:
+    """The step sums several backward passes (gradient accumulation by hand): a loss not divided by their
+    number makes the gradient, and the update, that many times larger. Not in Lightning's automatic
+    optimization, which divides the loss by accumulate_grad_batches itself."""
+    passes = stats.extra.get("backward_passes")
+    facts = stats.extra.get("zero_grad") or {}
+    if not (isinstance(passes, tuple) and passes[0] >= 2 and passes[1] == 0) or facts.get("lightning_automatic"):
+        return ""
+    n = passes[0]
+    return (
+        f"; this update sums {n} backward passes: if each micro-batch's loss is not divided by {n} "
+        f"((loss / {n}).backward()), the gradient and the update are {n}x what one batch tuned the learning "
+        "rate for"
+    )
+
+
+#: How sure the clipping is to have bounded this update (the module's own clipping may skip steps).
+_UNLESS = {"module": "if it clipped this step, "}
 
 
 def _f(v: float | None) -> str:

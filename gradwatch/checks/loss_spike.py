@@ -28,7 +28,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import EARLY_LOSS, once_per_check, quantile, robust_spread
+from gradwatch.magnitude import EARLY_LOSS, clip_advice, clipping_in_place, once_per_check, quantile, robust_spread
 
 #: Losses of history the test waits for.
 MIN_HISTORY = 20
@@ -151,12 +151,7 @@ def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str
         step=stats.step,
         severity="warning",
         message=(
-            what + "\n"
-            "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
-            "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
-            "Fix: lower the learning rate or lengthen warm-up, clip gradients "
-            "(torch.nn.utils.clip_grad_norm_), and check this step's batch for bad samples or labels; "
-            "with mixed precision, check for overflow in the loss. (If the objective or the data changed "
+            what + "\n" + _why_and_fix(stats, since is None) + " (If the objective or the data changed "
             "at this step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is "
             "expected.)"
         ),
@@ -167,6 +162,26 @@ def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str
             "optimizer": stats.optimizer_index,
             **({"since": since["step"]} if since is not None else {}),
         },
+    )
+
+
+def _why_and_fix(stats: Any, this_step: bool) -> str:
+    """Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping."""
+    clipped = clipping_in_place(stats, this_step)
+    if clipped is not None:
+        return (
+            f"Why it matters: a spike often precedes divergence; {clipped}, so "
+            + ("if it clipped this step, " if stats.extra["clipping"]["how"] == "module" else "")
+            + "this update did not throw the weights far, but the batch or the training that produced the "
+            "spike still needs a look.\n"
+            "Fix: clipping is in place (keep it); lower the learning rate or lengthen warm-up, and check this "
+            "step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
+        )
+    return (
+        "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
+        "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
+        f"Fix: lower the learning rate or lengthen warm-up, clip gradients ({clip_advice(stats)}), and check "
+        "this step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
     )
 
 

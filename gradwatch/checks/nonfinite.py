@@ -24,18 +24,28 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             f"gradwatch skipped optimizer {stats.optimizer_index}'s update: its parameters and state are "
             "unchanged (each optimizer's step is checked on its own)."
         )
-    stale = [v for v in stats.extra.get("stale_losses") or () if not math.isfinite(v)]
+    values = list(stats.extra.get("stale_losses") or ())
+    stale = [v for v in values if not math.isfinite(v)]
     # When the step itself is non-finite, the errors below cover it (SAM's first pass, whose gradients
     # were cleared before the second, is part of the same step).
     if stale and not stats.nonfinite:
+        # The last ``stale_unused`` values are losses no backward pass ran through (a NaN guard's continue).
+        first_bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
+        unused = first_bad >= len(values) - int(stats.extra.get("stale_unused") or 0)
+        where = (
+            f"on a batch before step {stats.step} that the training code did not backpropagate (a batch it "
+            "skipped)"
+            if unused
+            else f"on a backward pass before step {stats.step} whose gradients were cleared without an "
+            "optimizer step (a batch the training code skipped)"
+        )
         out.append(
             Finding(
                 kind="nonfinite_loss",
                 step=stats.step,
                 severity="warning",
                 message=(
-                    f"The loss was {stale[0]} on a backward pass before step {stats.step} whose gradients were "
-                    "cleared without an optimizer step (a batch the training code skipped), so no update used "
+                    f"The loss was {stale[0]} {where}, so no update used "
                     f"it; step {stats.step}'s own loss and gradients are checked as usual.\nWhy it matters: "
                     "the NaN/Inf came from the data or the forward pass and will come back with similar "
                     "batches.\nFix: check that batch for NaN/Inf, and look for log/sqrt/division of zero or "

@@ -158,6 +158,8 @@ def _missing(stats: StepStats) -> Finding:
                 if loss_side
                 else _partial_fix(kept, gone, i, with_optimizer)
                 if partial
+                else _lightning_fix(facts, i)
+                if facts.get("lightning")
                 else f"Fix: call {clear} once per step before loss.backward(). "
                 f"Usual causes: zero_grad never called; {wrong}or called "
                 "before a backward() that belongs to the previous step. To accumulate over several "
@@ -173,6 +175,28 @@ def _missing(stats: StepStats) -> Finding:
             "count": len(params),
             **({"cleared_params": list(gone)} if partial else {}),
         },
+    )
+
+
+def _lightning_fix(facts: dict[str, object], i: int) -> str:
+    """The fix in Lightning's terms: the user never calls zero_grad() in automatic optimization, and calls
+    it on the LightningOptimizer from self.optimizers() in manual optimization."""
+    if facts.get("lightning_automatic"):
+        # Automatic optimization calls the module's optimizer_zero_grad hook before every step's
+        # training_step (outside an accumulate_grad_batches window): only an override of it that does not
+        # clear every time leaves the gradients in place.
+        return (
+            "Fix: in automatic optimization Lightning clears the gradients before each step through the "
+            "LightningModule's optimizer_zero_grad hook; an override of it that does not call "
+            "optimizer.zero_grad() every time (a pass, or a condition on batch_idx) keeps them. Remove the "
+            "override, or make it call optimizer.zero_grad(set_to_none=True) unconditionally. To accumulate "
+            "over k batches on purpose, use Trainer(accumulate_grad_batches=k) instead."
+        )
+    opt = "self.optimizers()" + (f"[{i}]" if i else "")
+    return (
+        f"Fix: in manual optimization clear the gradients yourself: in training_step, with opt = {opt}, "
+        "call opt.zero_grad() right after opt.step() (or before self.manual_backward(loss)). To accumulate "
+        "over k batches on purpose, call opt.step() and then opt.zero_grad() every k-th batch only."
     )
 
 
