@@ -426,6 +426,16 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
             record = matches[0]
     if record is not None:
         return _inplace_traced(ctx, record, op or record.op, shape, now, expected, data)
+    if (
+        producer is None
+        and consumer is not None
+        and op is not None
+        and op not in (*_VIEW_OPS, "CopySlices")
+        and f"of {raw_op}," in (_saved_error(consumer) or "")
+    ):
+        # The consumer saved one of its inputs, and PyTorch names that tensor's grad_fn as it is now: not an
+        # op the consumer took it from (none of its inputs), but the in-place op that last wrote it.
+        return _inplace_writer(ctx, consumer, op, shape, now, expected, data)
     return _inplace_untraced(ctx, producer, consumer, op, shape, now, expected, data)
 
 
@@ -730,11 +740,99 @@ def _inplace_untraced(
     return _inplace_finding(ctx, lines, module, op, data)
 
 
+#: In-place spelling of the ops PyTorch names when they wrote a saved tensor (``x += y`` -> AddBackward0).
+_INPLACE_SPELLING = {"Add": "`+=` / add_()", "Sub": "`-=` / sub_()", "Mul": "`*=` / mul_()", "Div": "`/=` / div_()"}
+
+
+def _inplace_writer(
+    ctx: _Context, consumer: Any, op: str, shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any]
+) -> Finding:
+    """``op`` is the in-place op that wrote a tensor ``consumer`` had saved (its grad_fn now), not its producer.
+    A module of the model is named only if it can run ``op`` in place (``inplace=True``): an out-of-place
+    nn.ReLU of the same class is not the culprit, and saying so would send the user to the wrong code."""
+    classes = _OP_MODULES.get(op, ())
+    inplace_in_model = [(n, m) for n, m in _modules_of_type(ctx, op) if getattr(m, "inplace", False) is True]
+    foreign = _foreign_inplace_modules(ctx, classes) if classes else []
+    traced = ctx.tracer is not None and ctx.tracer.traced_step
+    saved_by = node_op(consumer)
+    saver = ctx.tracer.record_for(consumer) if traced else None
+    fn = re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()  # LeakyRelu -> leaky_relu
+    spelled = _INPLACE_SPELLING.get(op, f"x.{fn}_()")
+    if classes:
+        spelled = f"nn.{classes[0]}(inplace=True), F.{fn}(x, inplace=True) or {spelled}"
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: a tensor (shape {list(shape)}) that {saved_by} saved"
+            + (f" in module {ctx.display_module(saver.module) or '<outside the model>'}" if saver is not None else "")
+            + f" was then overwritten in place by {op} ({spelled}) ({_versions_text(now, expected)})."
+        )
+    ]
+    module = None
+    if len(inplace_in_model) == 1 and not traced:
+        module = ctx.display_module(inplace_in_model[0][0])
+        lines.append(
+            f"Where (approximate: this step was not traced): probably module {module} "
+            f"(the only {type(inplace_in_model[0][1]).__name__}(inplace=True) in the model)."
+        )
+    elif foreign:
+        lines.append(
+            f"Where: {op} ran in place outside the watched model, probably in {names_text(foreign)} "
+            "(a module of the loss code or training_step, e.g. a frozen feature extractor of a perceptual loss)."
+        )
+    elif traced or (classes and not inplace_in_model):
+        why = "no op of the model's forward, traced on this step, wrote it" if traced else (
+            f"none of the model's {'/'.join(classes)} modules has inplace=True"
+        )
+        lines.append(
+            f"Where: not in a module of the watched model ({why}): probably the loss code or training_step"
+            + (f", or a module outside the model (e.g. a loss's feature extractor) that runs {op} in place." if classes else ".")
+        )
+    data.update(
+        module_exact=False,
+        modified_by=op,
+        modified_in=module,
+        outside_model=module is None and (bool(foreign) or traced or bool(classes and not inplace_in_model)),
+        foreign_modules=foreign,
+    )
+    if classes:
+        fix = (
+            f"Fix: run it out of place: nn.{classes[0]}(inplace=False) (in a pretrained feature extractor such as "
+            f"torchvision's VGG `features`, set `m.inplace = False` on its {classes[0]} modules), F.{fn}(x) "
+            f"instead of F.{fn}(x, inplace=True) or x.{fn}_()."
+        )
+    else:
+        fix = f"Fix: write it out of place ({'`x = x + y`' if op in _INPLACE_SPELLING else 'the op without `_`'}), " \
+              "or apply it to a copy (`x.clone()`)."
+    return _inplace_finding(ctx, lines, module, op, data, fix=fix)
+
+
+def _foreign_inplace_modules(ctx: _Context, classes: tuple[str, ...], limit: int = 4) -> list[str]:
+    """Modules of class ``classes`` with ``inplace=True`` that the watched model does not own, found among the
+    user's local variables (a loss module ``crit``) and the modules ``self`` holds, innermost frame first."""
+    out: list[str] = []
+    seen: set[int] = set()
+    for frame in reversed(ctx.user_frames()):
+        for var, value in list(frame.f_locals.items()):
+            holders = [(var, value)]
+            if var == "self" and not isinstance(value, torch.nn.Module):
+                holders = [(f"self.{k}", v) for k, v in list(vars(value).items())] if hasattr(value, "__dict__") else []
+            for label, mod in holders:
+                if not isinstance(mod, torch.nn.Module) or id(mod) in seen or ctx.module_name(mod) is not None:
+                    continue
+                seen.add(id(mod))
+                for name, sub in mod.named_modules():
+                    if type(sub).__name__ in classes and getattr(sub, "inplace", False) is True and ctx.module_name(sub) is None:
+                        out.append(f"{label}.{name}" if name else label)
+                        if len(out) >= limit:
+                            return out
+    return out
+
+
 def _inplace_finding(
-    ctx: _Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any]
+    ctx: _Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any], fix: str | None = None
 ) -> Finding:
     """The ``inplace_error`` finding: the where-lines given, then why it matters and the usual fixes."""
-    lines = [*lines, _WHY_INPLACE, "Fix: make the op that changes it out of place. " + _CULPRITS]
+    lines = [*lines, _WHY_INPLACE, fix or "Fix: make the op that changes it out of place. " + _CULPRITS]
     return Finding(
         kind="inplace_error",
         step=ctx.step,

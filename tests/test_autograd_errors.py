@@ -955,3 +955,42 @@ def test_state_kept_on_modules_across_iterations_is_named() -> None:
     (f,) = [f for f in gw.findings if f.kind == "backward_twice"]
     assert f.step == 1 and f.data["state_attributes"] == ["lif1.mem"] and f.module == "lif1"
     assert "self.mem = self.mem.detach()" in f.message
+
+
+class PerceptualLoss(nn.Module):
+    """A frozen VGG-style feature extractor, sliced at the conv outputs (its ReLU made in-place by the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        feats = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        feats.requires_grad_(False)
+        self.slices = nn.ModuleList([feats[:1], feats[1:]])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = x.new_zeros(())
+        for part in self.slices:
+            x, y = part(x), part(y)
+            loss = loss + nn.functional.mse_loss(x, y)  # saves x; the next slice's ReLU overwrites it
+        return loss
+
+
+# Real-world report: perceptual (VGG) loss whose features use ReLU(inplace=True), blamed on the model's ReLU.
+@pytest.mark.parametrize("broken_at", [0, 2])
+def test_inplace_relu_in_the_loss_feature_extractor_is_not_blamed_on_the_models_relu(broken_at: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 3, padding=1))
+    crit = PerceptualLoss()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="which is output 0 of Relu"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for i in range(4):
+                crit.slices[1][0].inplace = i == broken_at  # the ReLU
+                clean = torch.rand(2, 3, 6, 6)
+                loss = crit(model(clean + 0.1 * torch.randn_like(clean)), clean)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = only(gw, "inplace_error")
+    assert (f.step, f.module, f.op) == (broken_at, None, "Relu")
+    assert f.data["outside_model"] is True and f.data["foreign_modules"] == ["crit.slices.1.1"]
+    assert "nn.ReLU(inplace=False)" in f.message and "module 1" not in f.message
