@@ -415,6 +415,10 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
         tensor = next((p for n, p in ctx.index.model_params if n == pname), None)
         writes = _traced_writes(ctx, tensor) if tensor is not None else []
         return _param_finding(ctx, pname, pmodule, pshape, now, expected, data, op, writes[0] if writes else None)
+    if consumer is not None and (raw_op is None or op in _VIEW_OPS):
+        foreign = _modified_foreign_leaf(ctx, consumer, shape, now)
+        if foreign is not None:
+            return _foreign_leaf_finding(ctx, *foreign, shape, now, expected, data, op)
     if raw_op is None or op in _VIEW_OPS:
         buffer = _modified_buffer(ctx, shape, now)
         if buffer is not None:
@@ -534,6 +538,64 @@ def _modified_param(
         if found is not None:
             return found[0], found[1], tuple(var.shape)
     return None
+
+
+def _modified_foreign_leaf(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int
+) -> tuple[str | None, str | None, torch.Tensor] | None:
+    """A leaf that requires grad, not the watched model's, that the consumer saved and that was changed in place
+    (an EMA teacher's weight updated before backward): its name among the user's modules, if found."""
+    for node, var in _changed_leaves(consumer, shape, now):
+        if ctx.param_of(node) is not None:
+            continue
+        for label, mod in _foreign_modules(ctx):
+            name = next((n for n, p in mod.named_parameters() if p is var), None)
+            if name is not None:
+                return f"{label}.{name}", label, var
+        return None, None, var
+    return None
+
+
+def _foreign_leaf_finding(
+    ctx: _Context, name: str | None, owner: str | None, var: torch.Tensor, shape: tuple[int, ...], now: int,
+    expected: int, data: dict[str, Any], op: str | None,
+) -> Finding:
+    """A tensor outside the watched model that requires grad (a parameter of a teacher or target network the
+    loss uses) was updated in place between the forward that used it and backward: by an EMA update, a
+    copy of weights, or another optimizer's step. Not the loss code's indexed assignment."""
+    what = f"parameter {name} (shape {list(var.shape)}), which the watched model does not own," if name else (
+        f"a tensor (shape {list(var.shape)}) that requires grad and is not a parameter of the watched model"
+    )
+    via = f", through a view of shape {list(shape)}" if tuple(var.shape) != shape else ""
+    data.update(param=name, module_exact=False, outside_model=True)
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: {what} was changed in place after "
+            f"the forward pass used it and before this backward ({_versions_text(now, expected)}); autograd saved "
+            f"it for {data['consumer']}{via}."
+        ),
+        (
+            "Cause: typically an EMA / mean-teacher or target-network update (`with torch.no_grad(): "
+            "t.mul_(0.99).add_(s, alpha=0.01)`), a weight copy or clipping, or another optimizer's step(), run "
+            "between that forward and backward()."
+        ),
+        _WHY_INPLACE,
+        (
+            "Fix: do that update after backward() (after optimizer.step()); or, if no gradient must flow into "
+            + (f"{owner}" if owner else "it")
+            + " (an EMA teacher, a target network), run its forward under torch.no_grad() or freeze it ("
+            + (f"{owner}.requires_grad_(False)" if owner else "requires_grad_(False)")
+            + " after deepcopy), so autograd saves nothing of it."
+        ),
+    ]
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        op=op or data.get("consumer"),
+        data=data,
+    )
 
 
 def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int) -> bool:
@@ -806,10 +868,9 @@ def _inplace_writer(
     return _inplace_finding(ctx, lines, module, op, data, fix=fix)
 
 
-def _foreign_inplace_modules(ctx: _Context, classes: tuple[str, ...], limit: int = 4) -> list[str]:
-    """Modules of class ``classes`` with ``inplace=True`` that the watched model does not own, found among the
-    user's local variables (a loss module ``crit``) and the modules ``self`` holds, innermost frame first."""
-    out: list[str] = []
+def _foreign_modules(ctx: _Context) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(variable name, module) of the modules the watched model does not own among the user's local variables
+    (a loss module ``crit``, an EMA ``teacher``) and the modules ``self`` holds, innermost frame first."""
     seen: set[int] = set()
     for frame in reversed(ctx.user_frames()):
         for var, value in list(frame.f_locals.items()):
@@ -817,14 +878,20 @@ def _foreign_inplace_modules(ctx: _Context, classes: tuple[str, ...], limit: int
             if var == "self" and not isinstance(value, torch.nn.Module):
                 holders = [(f"self.{k}", v) for k, v in list(vars(value).items())] if hasattr(value, "__dict__") else []
             for label, mod in holders:
-                if not isinstance(mod, torch.nn.Module) or id(mod) in seen or ctx.module_name(mod) is not None:
-                    continue
-                seen.add(id(mod))
-                for name, sub in mod.named_modules():
-                    if type(sub).__name__ in classes and getattr(sub, "inplace", False) is True and ctx.module_name(sub) is None:
-                        out.append(f"{label}.{name}" if name else label)
-                        if len(out) >= limit:
-                            return out
+                if isinstance(mod, torch.nn.Module) and id(mod) not in seen and ctx.module_name(mod) is None:
+                    seen.add(id(mod))
+                    yield label, mod
+
+
+def _foreign_inplace_modules(ctx: _Context, classes: tuple[str, ...], limit: int = 4) -> list[str]:
+    """Modules of class ``classes`` with ``inplace=True`` outside the watched model (see ``_foreign_modules``)."""
+    out: list[str] = []
+    for label, mod in _foreign_modules(ctx):
+        for name, sub in mod.named_modules():
+            if type(sub).__name__ in classes and getattr(sub, "inplace", False) is True and ctx.module_name(sub) is None:
+                out.append(f"{label}.{name}" if name else label)
+                if len(out) >= limit:
+                    return out
     return out
 
 

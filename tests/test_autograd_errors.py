@@ -994,3 +994,28 @@ def test_inplace_relu_in_the_loss_feature_extractor_is_not_blamed_on_the_models_
     assert (f.step, f.module, f.op) == (broken_at, None, "Relu")
     assert f.data["outside_model"] is True and f.data["foreign_modules"] == ["crit.slices.1.1"]
     assert "nn.ReLU(inplace=False)" in f.message and "module 1" not in f.message
+
+
+# Real-world report: mean teacher whose EMA update (in place, under no_grad) runs before loss.backward().
+def test_ema_teacher_updated_before_backward_names_the_teachers_parameter() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    teacher = copy.deepcopy(model)  # requires_grad left on, not watched
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for _ in range(3):
+                x = torch.randn(16, 8)
+                loss = nn.functional.mse_loss(model(x).softmax(-1), teacher(x).softmax(-1))
+                with torch.no_grad():
+                    for tp, sp in zip(teacher.parameters(), model.parameters()):
+                        tp.mul_(0.99).add_(sp, alpha=0.01)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = only(gw, "inplace_error")
+    assert f.data["param"] == "teacher.2.weight" and f.data["outside_model"] is True
+    assert f.module is None and "loss code" not in f.message
+    assert "EMA" in f.message and "teacher.requires_grad_(False)" in f.message
