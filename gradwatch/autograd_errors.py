@@ -1091,7 +1091,9 @@ def _backward_twice(ctx: _Context) -> Finding:
     elif old_edges:
         consumer, old, depth = old_edges[0]
         old_module = _upstream_param(ctx, old)
-        at_loss = depth <= 1
+        # The old graph enters through the loss's own arithmetic (`acc = acc + loss / k`, k adds deep when
+        # one backward runs every k batches), not through an op of the forward: a running total.
+        at_loss = depth <= 1 or any(consumer is n for n in _loss_spine(roots))
         if at_loss:
             cause = (
                 "the loss itself is built from a tensor kept from an earlier step — typically a running total "
@@ -1124,9 +1126,13 @@ def _backward_twice(ctx: _Context) -> Finding:
         if states:
             data.update(state_attributes=states)
         if at_loss:
+            total = _local_name(ctx, roots[0]) or "acc_loss"
+            data.update(total=_local_name(ctx, roots[0]))
             fix = (
-                "Fix: call backward() on this step's loss only, and accumulate what you log without its graph: "
-                "`total += loss.item()` (or `loss.detach()`)."
+                f"Fix: start the total afresh after each backward() (`{total} = 0` right after "
+                f"`{total}.backward()`, when micro-batch losses are summed for one backward per window); if "
+                "the total is only for logging, call backward() on this step's loss and accumulate it without "
+                "its graph: `total += loss.item()` (or `loss.detach()`)."
             )
         elif states:
             attr = states[0].rpartition(".")[2]
@@ -1179,6 +1185,24 @@ def _backward_twice(ctx: _Context) -> Finding:
         module=module,
         data=data,
     )
+
+
+#: Arithmetic a loss is combined with (sums of losses, scaling by 1/k).
+_LOSS_ARITHMETIC = frozenset({"Add", "Sub", "Rsub", "Mul", "Div", "Neg"})
+
+
+def _loss_spine(roots: list[torch.Tensor], limit: int = 1000) -> list[Any]:
+    """The nodes of the arithmetic the loss ends with (``((acc + l1 / k) + l2 / k) + ...``), from the roots
+    down to the first op that is not +, -, * or / (a loss function, the model's output)."""
+    out: list[Any] = []
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack and len(out) < limit:
+        node = stack.pop()
+        if node_op(node) not in _LOSS_ARITHMETIC or any(node is n for n in out):
+            continue
+        out.append(node)
+        stack.extend(_children(node))
+    return out
 
 
 def _graph_state_attrs(ctx: _Context, limit: int = 8) -> list[str]:
@@ -1342,6 +1366,15 @@ def _no_grad_graph(ctx: _Context) -> Finding:
         message="\n".join(lines),
         data={"cause": cause_key, "loss_shape": shape, "trainable_params": len(trainable)},
     )
+
+
+def _local_name(ctx: _Context, tensor: torch.Tensor) -> str | None:
+    """The name of a local variable of the user's code that holds ``tensor`` (innermost frame first)."""
+    for frame in reversed(ctx.user_frames()):
+        for k, v in list(frame.f_locals.items()):
+            if v is tensor:
+                return k
+    return None
 
 
 def _graph_locals(ctx: _Context, exclude: Any) -> list[str]:

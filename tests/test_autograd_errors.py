@@ -1019,3 +1019,22 @@ def test_ema_teacher_updated_before_backward_names_the_teachers_parameter() -> N
     assert f.data["param"] == "teacher.2.weight" and f.data["outside_model"] is True
     assert f.module is None and "loss code" not in f.message
     assert "EMA" in f.message and "teacher.requires_grad_(False)" in f.message
+
+
+# Real-world report: micro-batch losses summed for one backward every 4 batches, the total never reset.
+def test_summed_micro_batch_losses_never_reset_are_a_running_total_not_a_hidden_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            acc_loss = 0.0
+            for i in range(12):
+                acc_loss = acc_loss + nn.functional.mse_loss(model(torch.randn(8, 10)), torch.randn(8, 1)) / 4
+                if (i + 1) % 4 == 0:
+                    acc_loss.backward()  # type: ignore[union-attr]
+                    opt.step()
+                    opt.zero_grad()  # acc_loss is never reset
+    f = only(gw, "backward_twice")
+    assert (f.step, f.data["cause"], f.data["total"]) == (1, "running_total", "acc_loss")
+    assert "`acc_loss = 0` right after `acc_loss.backward()`" in f.message and "hidden.detach()" not in f.message
