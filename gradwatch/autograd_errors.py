@@ -30,7 +30,15 @@ import torch
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.params import user_module
-from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op, traceback_entries
+from gradwatch.tracing import (
+    ForwardTracer,
+    InplaceRecord,
+    OpRecord,
+    func_name,
+    library_frame,
+    node_op,
+    traceback_entries,
+)
 
 #: Autograd nodes visited at most when walking a graph (the error path only).
 MAX_NODES = 200_000
@@ -430,6 +438,10 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
             record = matches[0]
     if record is not None:
         return _inplace_traced(ctx, record, op or record.op, shape, now, expected, data)
+    if consumer is not None and op in _VIEW_OPS and ctx.tracer is not None and ctx.tracer.traced_step:
+        view = _traced_view(ctx, consumer, shape, now, expected)
+        if view is not None:
+            return _inplace_view_traced(ctx, consumer, view[0], view[1], op, shape, now, expected, data)
     if (
         producer is None
         and consumer is not None
@@ -734,6 +746,70 @@ def _inplace_traced(
         modified_at=culprit_source,
     )
     return _inplace_finding(ctx, lines, module, op, data)
+
+
+def _traced_view(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int, expected: int
+) -> tuple[OpRecord, list[InplaceRecord]] | None:
+    """The traced view ``consumer`` saved (``hs[:, t]``: PyTorch names it AsStrided once its base was written)
+    and the traced in-place writes into its base after it was taken (``hs[:, t + 1] = ...``)."""
+    tracer = ctx.tracer
+    assert tracer is not None
+    for child in _children(consumer):
+        rec = tracer.record_for(child)
+        t = rec.tensor() if rec is not None else None
+        if rec is None or t is None or rec.shape != shape or t._base is None or t._version != now:
+            continue
+        base = t._base
+        writes = [
+            e for e in tracer.inplace
+            if e.version_before >= expected
+            and (e.tensor() is base or e.tensor() is t or (e.base is not None and e.base() is base))
+        ]
+        return rec, writes
+    return None
+
+
+def _inplace_view_traced(
+    ctx: _Context, consumer: Any, record: OpRecord, writes: list[InplaceRecord], op: str | None,
+    shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any],
+) -> Finding:
+    module = ctx.display_module(record.module)
+    source = _with_line(record.source)
+    taken = "indexing, x[idx]" if record.op == "__getitem__" else record.op
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: {node_op(consumer)} saved a view (shape {list(shape)}, taken by "
+            f"{taken}) of a tensor that was then written in place ({_versions_text(now, expected)}); PyTorch "
+            f"calls it the output of {op}."
+        ),
+        f"Where: the view was taken in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
+    ]
+    writer = writes[0] if writes else None
+    writer_source = _with_line(writer.source) if writer is not None else None
+    if writer is not None:
+        lines.append(
+            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
+            + (f" at {writer_source}" if writer_source else "")
+            + (f" (and {len(writes) - 1} more in-place op(s))" if len(writes) > 1 else "")
+            + "."
+        )
+    data.update(
+        module_exact=True,
+        source=source,
+        view_of_written_tensor=True,
+        modified_by=None if writer is None else writer.op,
+        modified_in=None if writer is None else ctx.display_module(writer.module),
+        modified_at=writer_source,
+    )
+    fix = None
+    if writer is not None and writer.op == func_name(torch.Tensor.__setitem__):
+        fix = (
+            "Fix: do not fill a preallocated tensor that later steps read from (an RNN's `hs[:, t + 1] = "
+            "f(hs[:, t])`): collect the results in a list and stack them (`outs.append(h)`, then "
+            "`torch.stack(outs, dim=1)`), or read a copy (`hs[:, t].clone()`)."
+        )
+    return _inplace_finding(ctx, lines, module, op, data, fix=fix)
 
 
 def _inplace_untraced(

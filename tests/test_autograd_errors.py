@@ -1038,3 +1038,39 @@ def test_summed_micro_batch_losses_never_reset_are_a_running_total_not_a_hidden_
     f = only(gw, "backward_twice")
     assert (f.step, f.data["cause"], f.data["total"]) == (1, "running_total", "acc_loss")
     assert "`acc_loss = 0` right after `acc_loss.backward()`" in f.message and "hidden.detach()" not in f.message
+
+
+class PreallocRNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.cell = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hs = x.new_zeros(x.shape[0], 4, 16)
+        for t in range(3):
+            hs[:, t + 1] = torch.tanh(self.cell(hs[:, t]) + self.inp(x))  # cell saved hs[:, t]
+        return hs[:, 1:].mean(1)
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = PreallocRNN()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x))
+
+
+# https://discuss.pytorch.org/t/encounter-the-runtimeerror-one-of-the-variables-needed-for-gradient-computation-has-been-modified-by-an-inplace-operation/836
+def test_preallocated_rnn_states_filled_in_place_name_the_module_and_the_slice_assignment() -> None:
+    torch.manual_seed(0)
+    model = Tagger()
+    with pytest.raises(RuntimeError, match="which is output 0 of AsStrided"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.module, f.op) == (0, "rnn", "AsStrided")
+    assert f.data["modified_by"] == "x[idx] = ..." and f.data["modified_in"] == "rnn"
+    assert f.data["modified_at"].endswith("hs[:, t + 1] = torch.tanh(self.cell(hs[:, t]) + self.inp(x))  # cell saved hs[:, t]")
+    assert "loss code" not in f.message and "torch.stack(outs, dim=1)" in f.message
