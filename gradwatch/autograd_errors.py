@@ -312,7 +312,8 @@ def _children(node: Any) -> list[Any]:
 def _saved_error(node: Any) -> str | None:
     """The error raised when reading one of ``node``'s saved tensors, if any."""
     for attr in dir(node):
-        if not attr.startswith("_saved_"):
+        # ``saved_tensors``: what a custom autograd.Function saved with ctx.save_for_backward
+        if not attr.startswith("_saved_") and attr != "saved_tensors":
             continue
         try:
             getattr(node, attr)
@@ -846,11 +847,16 @@ def _inplace_untraced(
             module = ctx.display_module(before[1])
     if feeds is not None:
         where.append(f"its output feeds module {ctx.display_module(feeds[1])}")
-    outside = ctx.tracer is not None and ctx.tracer.traced_step and not by_type
+    # A custom autograd.Function's output is traced only as a module's output (apply() bypasses
+    # __torch_function__): one called inside a forward is no evidence of code after the forward.
+    custom = isinstance(producer, torch.autograd.function.BackwardCFunction)
+    outside = ctx.tracer is not None and ctx.tracer.traced_step and not by_type and not custom
     if where:
         why = (
             "no op of the model's forward, traced on this step, produced it: it probably ran after the forward"
             if outside
+            else f"{op} is a custom autograd.Function, not traced inside a forward"
+            if custom
             else "the saved tensor is not an op output gradwatch traced"
             if ctx.tracer is not None and ctx.tracer.traced_step
             else "this step was not traced"
@@ -863,6 +869,12 @@ def _inplace_untraced(
             f"an in-place write to the output of {op or 'that op'}: an indexed assignment (`p[:, 0] = 1.0`), an op ending in `_` "
             "(`p.clamp_(...)`), or `+=`/`*=`. Write it out of place: `p = p.clone()` before the assignment, or "
             "`torch.where`/`torch.cat` to build the new tensor."
+        )
+    elif custom:
+        lines.append(
+            f"gradwatch names the exact module of a custom autograd.Function when its output is a module's output "
+            f"(a module whose forward returns {op}.apply(x)); for an exact trace now, run one step under "
+            "torch.autograd.set_detect_anomaly(True)."
         )
     else:
         lines.append(

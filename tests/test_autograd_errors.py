@@ -1074,3 +1074,52 @@ def test_preallocated_rnn_states_filled_in_place_name_the_module_and_the_slice_a
     assert f.data["modified_by"] == "x[idx] = ..." and f.data["modified_in"] == "rnn"
     assert f.data["modified_at"].endswith("hs[:, t + 1] = torch.tanh(self.cell(hs[:, t]) + self.inp(x))  # cell saved hs[:, t]")
     assert "loss code" not in f.message and "torch.stack(outs, dim=1)" in f.message
+
+
+class HardSigmoidFn(torch.autograd.Function):
+    """A memory-efficient activation that saves its output for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = (x / 6 + 0.5).clamp(0, 1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return g * ((y > 0) & (y < 1)).to(g.dtype) / 6
+
+
+class FnAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return HardSigmoidFn.apply(x)
+
+
+class FnResBlock(nn.Module):
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = FnAct()
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = HardSigmoidFn.apply(self.fc(x)) if self.direct else self.act(self.fc(x))
+        out += x  # overwrites the output HardSigmoidFn saved
+        return out
+
+
+# Real-world report: a custom autograd.Function saving its output, then `out += identity` in the block.
+@pytest.mark.parametrize("direct", [False, True])
+def test_custom_function_output_modified_in_place_names_its_module(direct: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), FnResBlock(direct), nn.Linear(4, 1))
+    with pytest.raises(RuntimeError, match="which is output 0 of HardSigmoidFn"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.op == "HardSigmoidFn" and "loss code" not in f.message
+    if direct:  # apply() inside the block's own forward: approximate, from the graph
+        assert f.data["follows"] == "1.fc" and f.data["module_exact"] is False
+    else:
+        assert (f.module, f.data["modified_in"], f.data["modified_by"]) == ("1.act", "1", "add_")
+        assert f.data["modified_at"].endswith("out += x  # overwrites the output HardSigmoidFn saved")
