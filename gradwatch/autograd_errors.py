@@ -1503,9 +1503,32 @@ def _nonscalar(ctx: _Context) -> Finding:
             if len(inner) != 1 or _children(n) != inner:
                 break
             n = inner[0]
+    exact_chain = module is not None
+    if module is None and loss is not None and loss.grad_fn is not None:
+        # Not a short chain (a Dice loss's ratio of sums, a critic's D(fake) - D(real)): the nearest model
+        # parameters name the module it is computed from, and a reduction met on the way (breadth-first,
+        # before that module's op) is one over some dimensions only.
+        found = None
+        for n, _depth in _walk([loss]):
+            own = _own_param(ctx, n)
+            if own is not None:
+                found = own
+                break
+            if reduced is None and node_op(n) in _REDUCTIONS:
+                reduced = node_op(n)
+            if loss_op is None and "Loss" in node_op(n):
+                loss_op = node_op(n)
+        if found is not None:
+            module = ctx.display_module(found[1])
     shape_text = f" of shape {shape}" if shape is not None else ""
     origin = ""
-    if module is not None and reduced is not None:
+    if module is not None and not exact_chain:
+        origin = f" It is computed (through {node_op(loss.grad_fn)}) from the output of module {module}" + (
+            f", reduced ({reduced}) over some dimensions but not all of them (e.g. .sum(dim=1) per sample)."
+            if reduced is not None
+            else (f", through {loss_op} called with reduction='none'." if loss_op is not None else ", with no reduction to a single number.")
+        )
+    elif module is not None and reduced is not None:
         origin = (
             f" It comes from the output of module {module}, reduced ({reduced}) over some dimensions but not "
             "all of them (e.g. .mean(dim=1))."
@@ -1519,15 +1542,24 @@ def _nonscalar(ctx: _Context) -> Finding:
         origin = f" It comes straight from the output of module {module}, with no reduction in between."
     elif grad_fn is not None:
         origin = f" It is the output of {node_op(grad_fn)}."
+    # The line that called backward(), if the user's code called it (not Lightning's automatic optimization).
+    caller = next((f for f in reversed(ctx.frames) if not library_frame(f)), None)
+    source = ctx.source_of(caller) if caller is not None and _is_user_file(caller.f_code.co_filename) else None
+    name = _local_name(ctx, loss) if loss is not None else None
     lines = [
         f"backward() failed at step {ctx.step}: it was called on a tensor{shape_text}, not a scalar, and without "
         "a gradient argument." + origin,
+        *(
+            [f"Where: backward() on {'`' + name + '`' if name else 'it'} at {source}."]
+            if source
+            else []
+        ),
         (
             "Why it matters: backward() without arguments needs one number to differentiate; for a tensor it would "
             "need the gradient of something with respect to each element."
         ),
         (
-            "Fix: reduce it to the loss you mean — `loss.mean()` or `loss.sum()` (a loss function with "
+            f"Fix: reduce it to the loss you mean — `{name or 'loss'}.mean()` or `{name or 'loss'}.sum()` (a loss function with "
             "reduction='none' returns one value per element) — or pass the gradient explicitly: "
             "`out.backward(gradient=torch.ones_like(out))`."
         ),
@@ -1539,5 +1571,5 @@ def _nonscalar(ctx: _Context) -> Finding:
         message="\n".join(lines),
         module=module,
         op=None if grad_fn is None else node_op(grad_fn),
-        data={"shape": shape, "node": node},
+        data={"shape": shape, "node": node, "source": source, "module_exact": exact_chain},
     )

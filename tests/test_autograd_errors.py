@@ -1123,3 +1123,23 @@ def test_custom_function_output_modified_in_place_names_its_module(direct: bool)
     else:
         assert (f.module, f.data["modified_in"], f.data["modified_by"]) == ("1.act", "1", "add_")
         assert f.data["modified_at"].endswith("out += x  # overwrites the output HardSigmoidFn saved")
+
+
+# Real-world report: WGAN critic loss D(fake) - D(real) left unreduced, and a per-sample Dice loss.
+@pytest.mark.parametrize("loss_kind", ["critic", "dice"])
+def test_nonscalar_loss_built_from_several_outputs_names_the_module_and_the_backward_line(loss_kind: str) -> None:
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        with gradwatch.watch(critic, torch.optim.RMSprop(critic.parameters(), 5e-5), console=False) as gw:
+            real, fake = torch.randn(16, 8), torch.randn(16, 8)
+            if loss_kind == "critic":
+                err = critic(fake) - critic(real)  # no .mean()
+            else:
+                p, t = torch.sigmoid(critic(fake)).flatten(1), (real[:, :1] > 0).float()
+                err = 1 - (2 * (p * t).sum(1) + 1) / (p.sum(1) + t.sum(1) + 1)  # one Dice loss per sample
+            err.backward()
+    f = only(gw, "nonscalar_backward")
+    assert f.module == "2" and f.data["module_exact"] is False
+    assert f.data["source"].endswith("err.backward()") and "`err.mean()`" in f.message
+    assert ("reduced (Sum)" in f.message) is (loss_kind == "dice")
