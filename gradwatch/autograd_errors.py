@@ -1018,6 +1018,7 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
     module, source = _raising_module(ctx)
     shown = ctx.display_module(module)
     text = str(ctx.exc).split("\n")[0]
+    params: tuple[str, ...] = ()
     if node_name is not None:
         op = node_op_name(node_name)
         multi = {
@@ -1064,8 +1065,29 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
         ]
     elif "leaf Variable that requires grad" in text:
         op = None
+        written = _written_param(ctx)
+        pname, owner = written if written is not None else (None, None)
+        fix = (
+            "Fix: run it under `with torch.no_grad():` (e.g. `with torch.no_grad(): p -= lr * p.grad`), or "
+            "use the in-place init functions of torch.nn.init, which do that for you."
+        )
+        if isinstance(owner, torch.nn.Embedding) and owner.padding_idx is None:
+            # Zeroing the padding row by hand in every forward: padding_idx does it, and keeps it from training.
+            fix = (
+                "Fix: to keep a padding row at zero, create the layer with nn.Embedding(..., padding_idx=PAD): "
+                "that row starts at zero and gets no gradient, so it stays zero; to write it once instead, do it "
+                "under `with torch.no_grad():` at initialization, not in forward."
+            )
+        elif "clamp_" in (source or ""):
+            fix = (
+                "Fix: clip the weights under torch.no_grad() (WGAN weight clipping: `with torch.no_grad(): for p "
+                "in critic.parameters(): p.clamp_(-c, c)`), after optimizer.step()."
+            )
         lines = [
-            f"an in-place change of a leaf tensor that requires grad (a parameter) failed at step {ctx.step}: {text}",
+            (
+                f"an in-place change of {'parameter ' + pname if pname else 'a leaf tensor that requires grad (a parameter)'} "
+                f"failed at step {ctx.step}: {text}"
+            ),
             f"Where: {'the forward of module ' + shown if shown else 'outside the model'}"
             + (f", at {source}" if source else "")
             + ".",
@@ -1074,11 +1096,10 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
                 "the graph; PyTorch refuses. A hand-written update (`p -= lr * p.grad`) or a weight "
                 "initialization must not be recorded."
             ),
-            (
-                "Fix: run it under `with torch.no_grad():` (e.g. `with torch.no_grad(): p -= lr * p.grad`), or "
-                "use the in-place init functions of torch.nn.init, which do that for you."
-            ),
+            fix,
         ]
+        if pname is not None:
+            params = (pname,)
     else:
         op = None
         lines = [
@@ -1101,10 +1122,39 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
         step=ctx.step,
         severity="error",
         message="\n".join(lines),
+        params=params,
         module=shown,
         op=op,
         data={"phase": "forward", "source": source, "module_exact": module is not None},
     )
+
+
+def _written_param(ctx: _Context) -> tuple[str, Any] | None:
+    """(name, owning module) of the model parameter the raising line writes: a local variable named on that
+    line (``p.clamp_(...)`` in a loop over parameters), or an attribute path of one
+    (``self.embedding.weight[0] = 0``), innermost frame of the user's code."""
+    frame = next((f for f in reversed(ctx.frames) if not library_frame(f)), None)
+    if frame is None:
+        return None
+    line = linecache.getline(frame.f_code.co_filename, ctx.lines.get(id(frame), frame.f_lineno))
+    local = frame.f_locals
+    for chain in re.findall(r"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", line):
+        head, *attrs = chain.split(".")
+        if head not in local:
+            continue
+        obj, owner = local[head], None
+        for a in attrs:
+            if isinstance(obj, torch.Tensor):
+                break
+            owner, obj = obj, getattr(obj, a, None) if isinstance(obj, torch.nn.Module) else None
+        if isinstance(obj, torch.Tensor) and obj._base is not None:
+            obj = obj._base  # a row or slice of the parameter
+        name = ctx.index.param_name.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        if name is not None:
+            if not isinstance(owner, torch.nn.Module) and ctx.model is not None:
+                owner = next((m for m in ctx.model.modules() if any(p is obj for p in m.parameters(recurse=False))), None)
+            return name, owner
+    return None
 
 
 def _made_leaf(ctx: _Context) -> str | None:

@@ -1143,3 +1143,37 @@ def test_nonscalar_loss_built_from_several_outputs_names_the_module_and_the_back
     assert f.module == "2" and f.data["module_exact"] is False
     assert f.data["source"].endswith("err.backward()") and "`err.mean()`" in f.message
     assert ("reduced (Sum)" in f.message) is (loss_kind == "dice")
+
+
+class PadZeroing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        self.embedding.weight[0] = 0  # the padding row, zeroed by hand in every forward
+        return self.fc(self.embedding(tok).mean(1))
+
+
+# Real-world reports: WGAN weight clipping outside no_grad; an embedding's padding row zeroed in forward.
+@pytest.mark.parametrize("case", ["clip", "pad_row"])
+def test_inplace_write_into_a_parameter_names_the_parameter(case: str) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = PadZeroing() if case == "pad_row" else nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.RMSprop(model.parameters(), 5e-5)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for _ in range(2):
+                x = torch.randint(0, 20, (8, 5)) if case == "pad_row" else torch.randn(8, 8)
+                opt.zero_grad()
+                model(x).mean().backward()
+                opt.step()
+                if case == "clip":
+                    for p in model.parameters():
+                        p.clamp_(-0.01, 0.01)  # outside torch.no_grad()
+    f = only(gw, "inplace_error")
+    if case == "clip":
+        assert f.params == ("0.weight",) and "with torch.no_grad(): for p in critic.parameters()" in f.message
+    else:
+        assert f.params == ("embedding.weight",) and "padding_idx=PAD" in f.message
