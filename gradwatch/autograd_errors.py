@@ -951,8 +951,8 @@ def _inplace_writer(
             f"instead of F.{fn}(x, inplace=True) or x.{fn}_()."
         )
     else:
-        fix = f"Fix: write it out of place ({'`x = x + y`' if op in _INPLACE_SPELLING else 'the op without `_`'}), " \
-              "or apply it to a copy (`x.clone()`)."
+        spelled_out = "`x = x + y`" if op in _INPLACE_SPELLING else "the op without `_`"
+        fix = f"Fix: write it out of place ({spelled_out}), or apply it to a copy (`x.clone()`)."
     return _inplace_finding(ctx, lines, module, op, data, fix=fix)
 
 
