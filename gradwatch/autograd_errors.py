@@ -30,7 +30,15 @@ import torch
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.params import user_module
-from gradwatch.tracing import ForwardTracer, InplaceRecord, OpRecord, library_frame, node_op, traceback_entries
+from gradwatch.tracing import (
+    ForwardTracer,
+    InplaceRecord,
+    OpRecord,
+    func_name,
+    library_frame,
+    node_op,
+    traceback_entries,
+)
 
 #: Autograd nodes visited at most when walking a graph (the error path only).
 MAX_NODES = 200_000
@@ -315,7 +323,8 @@ def _children(node: Any) -> list[Any]:
 def _saved_error(node: Any) -> str | None:
     """The error raised when reading one of ``node``'s saved tensors, if any."""
     for attr in dir(node):
-        if not attr.startswith("_saved_"):
+        # ``saved_tensors``: what a custom autograd.Function saved with ctx.save_for_backward
+        if not attr.startswith("_saved_") and attr != "saved_tensors":
             continue
         try:
             getattr(node, attr)
@@ -426,6 +435,10 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
         tensor = next((p for n, p in ctx.index.model_params if n == pname), None)
         writes = _traced_writes(ctx, tensor) if tensor is not None else []
         return _param_finding(ctx, pname, pmodule, pshape, now, expected, data, op, writes[0] if writes else None)
+    if consumer is not None and (raw_op is None or op in _VIEW_OPS):
+        foreign = _modified_foreign_leaf(ctx, consumer, shape, now)
+        if foreign is not None:
+            return _foreign_leaf_finding(ctx, *foreign, shape, now, expected, data, op)
     if raw_op is None or op in _VIEW_OPS:
         buffer = _modified_buffer(ctx, shape, now)
         if buffer is not None:
@@ -437,6 +450,20 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
             record = matches[0]
     if record is not None:
         return _inplace_traced(ctx, record, op or record.op, shape, now, expected, data)
+    if consumer is not None and op in _VIEW_OPS and ctx.tracer is not None and ctx.tracer.traced_step:
+        view = _traced_view(ctx, consumer, shape, now, expected)
+        if view is not None:
+            return _inplace_view_traced(ctx, consumer, view[0], view[1], op, shape, now, expected, data)
+    if (
+        producer is None
+        and consumer is not None
+        and op is not None
+        and op not in (*_VIEW_OPS, "CopySlices")
+        and f"of {raw_op}," in (_saved_error(consumer) or "")
+    ):
+        # The consumer saved one of its inputs, and PyTorch names that tensor's grad_fn as it is now: not an
+        # op the consumer took it from (none of its inputs), but the in-place op that last wrote it.
+        return _inplace_writer(ctx, consumer, op, shape, now, expected, data)
     return _inplace_untraced(ctx, producer, consumer, op, shape, now, expected, data)
 
 
@@ -535,6 +562,64 @@ def _modified_param(
         if found is not None:
             return found[0], found[1], tuple(var.shape)
     return None
+
+
+def _modified_foreign_leaf(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int
+) -> tuple[str | None, str | None, torch.Tensor] | None:
+    """A leaf that requires grad, not the watched model's, that the consumer saved and that was changed in place
+    (an EMA teacher's weight updated before backward): its name among the user's modules, if found."""
+    for node, var in _changed_leaves(consumer, shape, now):
+        if ctx.param_of(node) is not None:
+            continue
+        for label, mod in _foreign_modules(ctx):
+            name = next((n for n, p in mod.named_parameters() if p is var), None)
+            if name is not None:
+                return f"{label}.{name}", label, var
+        return None, None, var
+    return None
+
+
+def _foreign_leaf_finding(
+    ctx: _Context, name: str | None, owner: str | None, var: torch.Tensor, shape: tuple[int, ...], now: int,
+    expected: int, data: dict[str, Any], op: str | None,
+) -> Finding:
+    """A tensor outside the watched model that requires grad (a parameter of a teacher or target network the
+    loss uses) was updated in place between the forward that used it and backward: by an EMA update, a
+    copy of weights, or another optimizer's step. Not the loss code's indexed assignment."""
+    what = f"parameter {name} (shape {list(var.shape)}), which the watched model does not own," if name else (
+        f"a tensor (shape {list(var.shape)}) that requires grad and is not a parameter of the watched model"
+    )
+    via = f", through a view of shape {list(shape)}" if tuple(var.shape) != shape else ""
+    data.update(param=name, module_exact=False, outside_model=True)
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: {what} was changed in place after "
+            f"the forward pass used it and before this backward ({_versions_text(now, expected)}); autograd saved "
+            f"it for {data['consumer']}{via}."
+        ),
+        (
+            "Cause: typically an EMA / mean-teacher or target-network update (`with torch.no_grad(): "
+            "t.mul_(0.99).add_(s, alpha=0.01)`), a weight copy or clipping, or another optimizer's step(), run "
+            "between that forward and backward()."
+        ),
+        _WHY_INPLACE,
+        (
+            "Fix: do that update after backward() (after optimizer.step()); or, if no gradient must flow into "
+            + (f"{owner}" if owner else "it")
+            + " (an EMA teacher, a target network), run its forward under torch.no_grad() or freeze it ("
+            + (f"{owner}.requires_grad_(False)" if owner else "requires_grad_(False)")
+            + " after deepcopy), so autograd saves nothing of it."
+        ),
+    ]
+    return Finding(
+        kind="inplace_error",
+        step=ctx.step,
+        severity="error",
+        message="\n".join(lines),
+        op=op or data.get("consumer"),
+        data=data,
+    )
 
 
 def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int) -> bool:
@@ -675,6 +760,70 @@ def _inplace_traced(
     return _inplace_finding(ctx, lines, module, op, data)
 
 
+def _traced_view(
+    ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int, expected: int
+) -> tuple[OpRecord, list[InplaceRecord]] | None:
+    """The traced view ``consumer`` saved (``hs[:, t]``: PyTorch names it AsStrided once its base was written)
+    and the traced in-place writes into its base after it was taken (``hs[:, t + 1] = ...``)."""
+    tracer = ctx.tracer
+    assert tracer is not None
+    for child in _children(consumer):
+        rec = tracer.record_for(child)
+        t = rec.tensor() if rec is not None else None
+        if rec is None or t is None or rec.shape != shape or t._base is None or t._version != now:
+            continue
+        base = t._base
+        writes = [
+            e for e in tracer.inplace
+            if e.version_before >= expected
+            and (e.tensor() is base or e.tensor() is t or (e.base is not None and e.base() is base))
+        ]
+        return rec, writes
+    return None
+
+
+def _inplace_view_traced(
+    ctx: _Context, consumer: Any, record: OpRecord, writes: list[InplaceRecord], op: str | None,
+    shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any],
+) -> Finding:
+    module = ctx.display_module(record.module)
+    source = _with_line(record.source)
+    taken = "indexing, x[idx]" if record.op == "__getitem__" else record.op
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: {node_op(consumer)} saved a view (shape {list(shape)}, taken by "
+            f"{taken}) of a tensor that was then written in place ({_versions_text(now, expected)}); PyTorch "
+            f"calls it the output of {op}."
+        ),
+        f"Where: the view was taken in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
+    ]
+    writer = writes[0] if writes else None
+    writer_source = _with_line(writer.source) if writer is not None else None
+    if writer is not None:
+        lines.append(
+            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
+            + (f" at {writer_source}" if writer_source else "")
+            + (f" (and {len(writes) - 1} more in-place op(s))" if len(writes) > 1 else "")
+            + "."
+        )
+    data.update(
+        module_exact=True,
+        source=source,
+        view_of_written_tensor=True,
+        modified_by=None if writer is None else writer.op,
+        modified_in=None if writer is None else ctx.display_module(writer.module),
+        modified_at=writer_source,
+    )
+    fix = None
+    if writer is not None and writer.op == func_name(torch.Tensor.__setitem__):
+        fix = (
+            "Fix: do not fill a preallocated tensor that later steps read from (an RNN's `hs[:, t + 1] = "
+            "f(hs[:, t])`): collect the results in a list and stack them (`outs.append(h)`, then "
+            "`torch.stack(outs, dim=1)`), or read a copy (`hs[:, t].clone()`)."
+        )
+    return _inplace_finding(ctx, lines, module, op, data, fix=fix)
+
+
 def _inplace_untraced(
     ctx: _Context,
     producer: Any,
@@ -709,11 +858,16 @@ def _inplace_untraced(
             module = ctx.display_module(before[1])
     if feeds is not None:
         where.append(f"its output feeds module {ctx.display_module(feeds[1])}")
-    outside = ctx.tracer is not None and ctx.tracer.traced_step and not by_type
+    # A custom autograd.Function's output is traced only as a module's output (apply() bypasses
+    # __torch_function__): one called inside a forward is no evidence of code after the forward.
+    custom = isinstance(producer, torch.autograd.function.BackwardCFunction)
+    outside = ctx.tracer is not None and ctx.tracer.traced_step and not by_type and not custom
     if where:
         why = (
             "no op of the model's forward, traced on this step, produced it: it probably ran after the forward"
             if outside
+            else f"{op} is a custom autograd.Function, not traced inside a forward"
+            if custom
             else "the saved tensor is not an op output gradwatch traced"
             if ctx.tracer is not None and ctx.tracer.traced_step
             else "this step was not traced"
@@ -726,6 +880,12 @@ def _inplace_untraced(
             f"an in-place write to the output of {op or 'that op'}: an indexed assignment (`p[:, 0] = 1.0`), an op ending in `_` "
             "(`p.clamp_(...)`), or `+=`/`*=`. Write it out of place: `p = p.clone()` before the assignment, or "
             "`torch.where`/`torch.cat` to build the new tensor."
+        )
+    elif custom:
+        lines.append(
+            f"gradwatch names the exact module of a custom autograd.Function when its output is a module's output "
+            f"(a module whose forward returns {op}.apply(x)); for an exact trace now, run one step under "
+            "torch.autograd.set_detect_anomaly(True)."
         )
     else:
         lines.append(
@@ -741,11 +901,104 @@ def _inplace_untraced(
     return _inplace_finding(ctx, lines, module, op, data)
 
 
+#: In-place spelling of the ops PyTorch names when they wrote a saved tensor (``x += y`` -> AddBackward0).
+_INPLACE_SPELLING = {"Add": "`+=` / add_()", "Sub": "`-=` / sub_()", "Mul": "`*=` / mul_()", "Div": "`/=` / div_()"}
+
+
+def _inplace_writer(
+    ctx: _Context, consumer: Any, op: str, shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any]
+) -> Finding:
+    """``op`` is the in-place op that wrote a tensor ``consumer`` had saved (its grad_fn now), not its producer.
+    A module of the model is named only if it can run ``op`` in place (``inplace=True``): an out-of-place
+    nn.ReLU of the same class is not the culprit, and saying so would send the user to the wrong code."""
+    classes = _OP_MODULES.get(op, ())
+    inplace_in_model = [(n, m) for n, m in _modules_of_type(ctx, op) if getattr(m, "inplace", False) is True]
+    foreign = _foreign_inplace_modules(ctx, classes) if classes else []
+    traced = ctx.tracer is not None and ctx.tracer.traced_step
+    saved_by = node_op(consumer)
+    saver = ctx.tracer.record_for(consumer) if traced else None
+    fn = re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()  # LeakyRelu -> leaky_relu
+    spelled = _INPLACE_SPELLING.get(op, f"x.{fn}_()")
+    if classes:
+        spelled = f"nn.{classes[0]}(inplace=True), F.{fn}(x, inplace=True) or {spelled}"
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: a tensor (shape {list(shape)}) that {saved_by} saved"
+            + (f" in module {ctx.display_module(saver.module) or '<outside the model>'}" if saver is not None else "")
+            + f" was then overwritten in place by {op} ({spelled}) ({_versions_text(now, expected)})."
+        )
+    ]
+    module = None
+    if len(inplace_in_model) == 1 and not traced:
+        module = ctx.display_module(inplace_in_model[0][0])
+        lines.append(
+            f"Where (approximate: this step was not traced): probably module {module} "
+            f"(the only {type(inplace_in_model[0][1]).__name__}(inplace=True) in the model)."
+        )
+    elif foreign:
+        lines.append(
+            f"Where: {op} ran in place outside the watched model, probably in {names_text(foreign)} "
+            "(a module of the loss code or training_step, e.g. a frozen feature extractor of a perceptual loss)."
+        )
+    elif traced or (classes and not inplace_in_model):
+        why = "no op of the model's forward, traced on this step, wrote it" if traced else (
+            f"none of the model's {'/'.join(classes)} modules has inplace=True"
+        )
+        lines.append(
+            f"Where: not in a module of the watched model ({why}): probably the loss code or training_step"
+            + (f", or a module outside the model (e.g. a loss's feature extractor) that runs {op} in place." if classes else ".")
+        )
+    data.update(
+        module_exact=False,
+        modified_by=op,
+        modified_in=module,
+        outside_model=module is None and (bool(foreign) or traced or bool(classes and not inplace_in_model)),
+        foreign_modules=foreign,
+    )
+    if classes:
+        fix = (
+            f"Fix: run it out of place: nn.{classes[0]}(inplace=False) (in a pretrained feature extractor such as "
+            f"torchvision's VGG `features`, set `m.inplace = False` on its {classes[0]} modules), F.{fn}(x) "
+            f"instead of F.{fn}(x, inplace=True) or x.{fn}_()."
+        )
+    else:
+        spelled_out = "`x = x + y`" if op in _INPLACE_SPELLING else "the op without `_`"
+        fix = f"Fix: write it out of place ({spelled_out}), or apply it to a copy (`x.clone()`)."
+    return _inplace_finding(ctx, lines, module, op, data, fix=fix)
+
+
+def _foreign_modules(ctx: _Context) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(variable name, module) of the modules the watched model does not own among the user's local variables
+    (a loss module ``crit``, an EMA ``teacher``) and the modules ``self`` holds, innermost frame first."""
+    seen: set[int] = set()
+    for frame in reversed(ctx.user_frames()):
+        for var, value in list(frame.f_locals.items()):
+            holders = [(var, value)]
+            if var == "self" and not isinstance(value, torch.nn.Module):
+                holders = [(f"self.{k}", v) for k, v in list(vars(value).items())] if hasattr(value, "__dict__") else []
+            for label, mod in holders:
+                if isinstance(mod, torch.nn.Module) and id(mod) not in seen and ctx.module_name(mod) is None:
+                    seen.add(id(mod))
+                    yield label, mod
+
+
+def _foreign_inplace_modules(ctx: _Context, classes: tuple[str, ...], limit: int = 4) -> list[str]:
+    """Modules of class ``classes`` with ``inplace=True`` outside the watched model (see ``_foreign_modules``)."""
+    out: list[str] = []
+    for label, mod in _foreign_modules(ctx):
+        for name, sub in mod.named_modules():
+            if type(sub).__name__ in classes and getattr(sub, "inplace", False) is True and ctx.module_name(sub) is None:
+                out.append(f"{label}.{name}" if name else label)
+                if len(out) >= limit:
+                    return out
+    return out
+
+
 def _inplace_finding(
-    ctx: _Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any]
+    ctx: _Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any], fix: str | None = None
 ) -> Finding:
     """The ``inplace_error`` finding: the where-lines given, then why it matters and the usual fixes."""
-    lines = [*lines, _WHY_INPLACE, "Fix: make the op that changes it out of place. " + _CULPRITS]
+    lines = [*lines, _WHY_INPLACE, fix or "Fix: make the op that changes it out of place. " + _CULPRITS]
     return Finding(
         kind="inplace_error",
         step=ctx.step,
@@ -776,6 +1029,7 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
     module, source = _raising_module(ctx)
     shown = ctx.display_module(module)
     text = str(ctx.exc).split("\n")[0]
+    params: tuple[str, ...] = ()
     if node_name is not None:
         op = node_op_name(node_name)
         multi = {
@@ -822,8 +1076,29 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
         ]
     elif "leaf Variable that requires grad" in text:
         op = None
+        written = _written_param(ctx)
+        pname, owner = written if written is not None else (None, None)
+        fix = (
+            "Fix: run it under `with torch.no_grad():` (e.g. `with torch.no_grad(): p -= lr * p.grad`), or "
+            "use the in-place init functions of torch.nn.init, which do that for you."
+        )
+        if isinstance(owner, torch.nn.Embedding) and owner.padding_idx is None:
+            # Zeroing the padding row by hand in every forward: padding_idx does it, and keeps it from training.
+            fix = (
+                "Fix: to keep a padding row at zero, create the layer with nn.Embedding(..., padding_idx=PAD): "
+                "that row starts at zero and gets no gradient, so it stays zero; to write it once instead, do it "
+                "under `with torch.no_grad():` at initialization, not in forward."
+            )
+        elif "clamp_" in (source or ""):
+            fix = (
+                "Fix: clip the weights under torch.no_grad() (WGAN weight clipping: `with torch.no_grad(): for p "
+                "in critic.parameters(): p.clamp_(-c, c)`), after optimizer.step()."
+            )
         lines = [
-            f"an in-place change of a leaf tensor that requires grad (a parameter) failed at step {ctx.step}: {text}",
+            (
+                f"an in-place change of {'parameter ' + pname if pname else 'a leaf tensor that requires grad (a parameter)'} "
+                f"failed at step {ctx.step}: {text}"
+            ),
             f"Where: {'the forward of module ' + shown if shown else 'outside the model'}"
             + (f", at {source}" if source else "")
             + ".",
@@ -832,11 +1107,10 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
                 "the graph; PyTorch refuses. A hand-written update (`p -= lr * p.grad`) or a weight "
                 "initialization must not be recorded."
             ),
-            (
-                "Fix: run it under `with torch.no_grad():` (e.g. `with torch.no_grad(): p -= lr * p.grad`), or "
-                "use the in-place init functions of torch.nn.init, which do that for you."
-            ),
+            fix,
         ]
+        if pname is not None:
+            params = (pname,)
     else:
         op = None
         lines = [
@@ -859,10 +1133,39 @@ def _inplace_forward(ctx: _Context, node_name: str | None, index: int | None) ->
         step=ctx.step,
         severity="error",
         message="\n".join(lines),
+        params=params,
         module=shown,
         op=op,
         data={"phase": "forward", "source": source, "module_exact": module is not None},
     )
+
+
+def _written_param(ctx: _Context) -> tuple[str, Any] | None:
+    """(name, owning module) of the model parameter the raising line writes: a local variable named on that
+    line (``p.clamp_(...)`` in a loop over parameters), or an attribute path of one
+    (``self.embedding.weight[0] = 0``), innermost frame of the user's code."""
+    frame = next((f for f in reversed(ctx.frames) if not library_frame(f)), None)
+    if frame is None:
+        return None
+    line = linecache.getline(frame.f_code.co_filename, ctx.lines.get(id(frame), frame.f_lineno))
+    local = frame.f_locals
+    for chain in re.findall(r"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", line):
+        head, *attrs = chain.split(".")
+        if head not in local:
+            continue
+        obj, owner = local[head], None
+        for a in attrs:
+            if isinstance(obj, torch.Tensor):
+                break
+            owner, obj = obj, getattr(obj, a, None) if isinstance(obj, torch.nn.Module) else None
+        if isinstance(obj, torch.Tensor) and obj._base is not None:
+            obj = obj._base  # a row or slice of the parameter
+        name = ctx.index.param_name.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        if name is not None:
+            if not isinstance(owner, torch.nn.Module) and ctx.model is not None:
+                owner = next((m for m in ctx.model.modules() if any(p is obj for p in m.parameters(recurse=False))), None)
+            return name, owner
+    return None
 
 
 def _made_leaf(ctx: _Context) -> str | None:
@@ -937,7 +1240,9 @@ def _backward_twice(ctx: _Context) -> Finding:
     elif old_edges:
         consumer, old, depth = old_edges[0]
         old_module = _upstream_param(ctx, old)
-        at_loss = depth <= 1
+        # The old graph enters through the loss's own arithmetic (`acc = acc + loss / k`, k adds deep when
+        # one backward runs every k batches), not through an op of the forward: a running total.
+        at_loss = depth <= 1 or any(consumer is n for n in _loss_spine(roots))
         if at_loss:
             cause = (
                 "the loss itself is built from a tensor kept from an earlier step — typically a running total "
@@ -970,9 +1275,13 @@ def _backward_twice(ctx: _Context) -> Finding:
         if states:
             data.update(state_attributes=states)
         if at_loss:
+            total = _local_name(ctx, roots[0]) or "acc_loss"
+            data.update(total=_local_name(ctx, roots[0]))
             fix = (
-                "Fix: call backward() on this step's loss only, and accumulate what you log without its graph: "
-                "`total += loss.item()` (or `loss.detach()`)."
+                f"Fix: start the total afresh after each backward() (`{total} = 0` right after "
+                f"`{total}.backward()`, when micro-batch losses are summed for one backward per window); if "
+                "the total is only for logging, call backward() on this step's loss and accumulate it without "
+                "its graph: `total += loss.item()` (or `loss.detach()`)."
             )
         elif states:
             attr = states[0].rpartition(".")[2]
@@ -1025,6 +1334,24 @@ def _backward_twice(ctx: _Context) -> Finding:
         module=module,
         data=data,
     )
+
+
+#: Arithmetic a loss is combined with (sums of losses, scaling by 1/k).
+_LOSS_ARITHMETIC = frozenset({"Add", "Sub", "Rsub", "Mul", "Div", "Neg"})
+
+
+def _loss_spine(roots: list[torch.Tensor], limit: int = 1000) -> list[Any]:
+    """The nodes of the arithmetic the loss ends with (``((acc + l1 / k) + l2 / k) + ...``), from the roots
+    down to the first op that is not +, -, * or / (a loss function, the model's output)."""
+    out: list[Any] = []
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack and len(out) < limit:
+        node = stack.pop()
+        if node_op(node) not in _LOSS_ARITHMETIC or any(node is n for n in out):
+            continue
+        out.append(node)
+        stack.extend(_children(node))
+    return out
 
 
 def _graph_state_attrs(ctx: _Context, limit: int = 8) -> list[str]:
@@ -1190,6 +1517,15 @@ def _no_grad_graph(ctx: _Context) -> Finding:
     )
 
 
+def _local_name(ctx: _Context, tensor: torch.Tensor) -> str | None:
+    """The name of a local variable of the user's code that holds ``tensor`` (innermost frame first)."""
+    for frame in reversed(ctx.user_frames()):
+        for k, v in list(frame.f_locals.items()):
+            if v is tensor:
+                return k
+    return None
+
+
 def _graph_locals(ctx: _Context, exclude: Any) -> list[str]:
     names: list[str] = []
     for frame in reversed(ctx.user_frames()):
@@ -1228,9 +1564,32 @@ def _nonscalar(ctx: _Context) -> Finding:
             if len(inner) != 1 or _children(n) != inner:
                 break
             n = inner[0]
+    exact_chain = module is not None
+    if module is None and loss is not None and loss.grad_fn is not None:
+        # Not a short chain (a Dice loss's ratio of sums, a critic's D(fake) - D(real)): the nearest model
+        # parameters name the module it is computed from, and a reduction met on the way (breadth-first,
+        # before that module's op) is one over some dimensions only.
+        found = None
+        for n, _depth in _walk([loss]):
+            own = _own_param(ctx, n)
+            if own is not None:
+                found = own
+                break
+            if reduced is None and node_op(n) in _REDUCTIONS:
+                reduced = node_op(n)
+            if loss_op is None and "Loss" in node_op(n):
+                loss_op = node_op(n)
+        if found is not None:
+            module = ctx.display_module(found[1])
     shape_text = f" of shape {shape}" if shape is not None else ""
     origin = ""
-    if module is not None and reduced is not None:
+    if module is not None and not exact_chain:
+        origin = f" It is computed (through {node_op(loss.grad_fn)}) from the output of module {module}" + (
+            f", reduced ({reduced}) over some dimensions but not all of them (e.g. .sum(dim=1) per sample)."
+            if reduced is not None
+            else (f", through {loss_op} called with reduction='none'." if loss_op is not None else ", with no reduction to a single number.")
+        )
+    elif module is not None and reduced is not None:
         origin = (
             f" It comes from the output of module {module}, reduced ({reduced}) over some dimensions but not "
             "all of them (e.g. .mean(dim=1))."
@@ -1244,15 +1603,24 @@ def _nonscalar(ctx: _Context) -> Finding:
         origin = f" It comes straight from the output of module {module}, with no reduction in between."
     elif grad_fn is not None:
         origin = f" It is the output of {node_op(grad_fn)}."
+    # The line that called backward(), if the user's code called it (not Lightning's automatic optimization).
+    caller = next((f for f in reversed(ctx.frames) if not library_frame(f)), None)
+    source = ctx.source_of(caller) if caller is not None and _is_user_file(caller.f_code.co_filename) else None
+    name = _local_name(ctx, loss) if loss is not None else None
     lines = [
         f"backward() failed at step {ctx.step}: it was called on a tensor{shape_text}, not a scalar, and without "
         "a gradient argument." + origin,
+        *(
+            [f"Where: backward() on {'`' + name + '`' if name else 'it'} at {source}."]
+            if source
+            else []
+        ),
         (
             "Why it matters: backward() without arguments needs one number to differentiate; for a tensor it would "
             "need the gradient of something with respect to each element."
         ),
         (
-            "Fix: reduce it to the loss you mean — `loss.mean()` or `loss.sum()` (a loss function with "
+            f"Fix: reduce it to the loss you mean — `{name or 'loss'}.mean()` or `{name or 'loss'}.sum()` (a loss function with "
             "reduction='none' returns one value per element) — or pass the gradient explicitly: "
             "`out.backward(gradient=torch.ones_like(out))`."
         ),
@@ -1264,5 +1632,5 @@ def _nonscalar(ctx: _Context) -> Finding:
         message="\n".join(lines),
         module=module,
         op=None if grad_fn is None else node_op(grad_fn),
-        data={"shape": shape, "node": node},
+        data={"shape": shape, "node": node, "source": source, "module_exact": exact_chain},
     )

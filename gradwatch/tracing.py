@@ -257,8 +257,31 @@ class ForwardTracer:
         self._stack.append(name if name is not None else (self._stack[-1] if self._stack else None))
 
     def _on_module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        try:
+            self._record_module_output(module, output)
+        except Exception as exc:  # noqa: BLE001 - tracing must never change what the model computes
+            internal_warning("forward tracer (module output)", exc)
         if len(self._stack) > 1:
             self._stack.pop()
+
+    def _record_module_output(self, module: nn.Module, output: Any) -> None:
+        """Record a module's outputs that no traced op produced: a custom ``autograd.Function.apply`` does not
+        go through ``__torch_function__``, so its output is known only here, as the module's output."""
+        for t in _tensors(output):
+            node = t.grad_fn
+            if node is None or self.record_for(node) is not None:
+                continue
+            rec = OpRecord(
+                node=node,
+                op=node_op(node),
+                module=self._stack[-1] if self._stack else self._names.get(id(module)),
+                shape=tuple(t.shape),
+                version=t._version,
+                tensor=weakref.ref(t),
+                source=user_source(2),  # the line that called the module
+            )
+            self.records[id(node)] = rec
+            self._by_tensor.setdefault(id(t), rec)
 
     def record(
         self,

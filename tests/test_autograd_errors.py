@@ -992,3 +992,225 @@ def test_anomaly_mode_on_a_nan_born_in_the_forward_names_the_forward_op() -> Non
     assert "torch.sqrt(x[:, :1])" in f.message and "Inf reached it" not in f.message
     assert f.data["raised"] and f.data["anomaly_op"] in f.message
     assert not torch.is_anomaly_enabled()
+
+
+class PerceptualLoss(nn.Module):
+    """A frozen VGG-style feature extractor, sliced at the conv outputs (its ReLU made in-place by the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        feats = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        feats.requires_grad_(False)
+        self.slices = nn.ModuleList([feats[:1], feats[1:]])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = x.new_zeros(())
+        for part in self.slices:
+            x, y = part(x), part(y)
+            loss = loss + nn.functional.mse_loss(x, y)  # saves x; the next slice's ReLU overwrites it
+        return loss
+
+
+# Real-world report: perceptual (VGG) loss whose features use ReLU(inplace=True), blamed on the model's ReLU.
+@pytest.mark.parametrize("broken_at", [0, 2])
+def test_inplace_relu_in_the_loss_feature_extractor_is_not_blamed_on_the_models_relu(broken_at: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 3, padding=1))
+    crit = PerceptualLoss()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="which is output 0 of Relu"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for i in range(4):
+                crit.slices[1][0].inplace = i == broken_at  # the ReLU
+                clean = torch.rand(2, 3, 6, 6)
+                loss = crit(model(clean + 0.1 * torch.randn_like(clean)), clean)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = only(gw, "inplace_error")
+    assert (f.step, f.module, f.op) == (broken_at, None, "Relu")
+    assert f.data["outside_model"] is True and f.data["foreign_modules"] == ["crit.slices.1.1"]
+    assert "nn.ReLU(inplace=False)" in f.message and "module 1" not in f.message
+
+
+# Real-world report: mean teacher whose EMA update (in place, under no_grad) runs before loss.backward().
+def test_ema_teacher_updated_before_backward_names_the_teachers_parameter() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    teacher = copy.deepcopy(model)  # requires_grad left on, not watched
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for _ in range(3):
+                x = torch.randn(16, 8)
+                loss = nn.functional.mse_loss(model(x).softmax(-1), teacher(x).softmax(-1))
+                with torch.no_grad():
+                    for tp, sp in zip(teacher.parameters(), model.parameters()):
+                        tp.mul_(0.99).add_(sp, alpha=0.01)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    f = only(gw, "inplace_error")
+    assert f.data["param"] == "teacher.2.weight" and f.data["outside_model"] is True
+    assert f.module is None and "loss code" not in f.message
+    assert "EMA" in f.message and "teacher.requires_grad_(False)" in f.message
+
+
+# Real-world report: micro-batch losses summed for one backward every 4 batches, the total never reset.
+def test_summed_micro_batch_losses_never_reset_are_a_running_total_not_a_hidden_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            acc_loss = 0.0
+            for i in range(12):
+                acc_loss = acc_loss + nn.functional.mse_loss(model(torch.randn(8, 10)), torch.randn(8, 1)) / 4
+                if (i + 1) % 4 == 0:
+                    acc_loss.backward()  # type: ignore[union-attr]
+                    opt.step()
+                    opt.zero_grad()  # acc_loss is never reset
+    f = only(gw, "backward_twice")
+    assert (f.step, f.data["cause"], f.data["total"]) == (1, "running_total", "acc_loss")
+    assert "`acc_loss = 0` right after `acc_loss.backward()`" in f.message and "hidden.detach()" not in f.message
+
+
+class PreallocRNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.cell = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hs = x.new_zeros(x.shape[0], 4, 16)
+        for t in range(3):
+            hs[:, t + 1] = torch.tanh(self.cell(hs[:, t]) + self.inp(x))  # cell saved hs[:, t]
+        return hs[:, 1:].mean(1)
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = PreallocRNN()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x))
+
+
+# https://discuss.pytorch.org/t/encounter-the-runtimeerror-one-of-the-variables-needed-for-gradient-computation-has-been-modified-by-an-inplace-operation/836
+def test_preallocated_rnn_states_filled_in_place_name_the_module_and_the_slice_assignment() -> None:
+    torch.manual_seed(0)
+    model = Tagger()
+    with pytest.raises(RuntimeError, match="which is output 0 of AsStrided"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert (f.step, f.module, f.op) == (0, "rnn", "AsStrided")
+    assert f.data["modified_by"] == "x[idx] = ..." and f.data["modified_in"] == "rnn"
+    assert f.data["modified_at"].endswith("hs[:, t + 1] = torch.tanh(self.cell(hs[:, t]) + self.inp(x))  # cell saved hs[:, t]")
+    assert "loss code" not in f.message and "torch.stack(outs, dim=1)" in f.message
+
+
+class HardSigmoidFn(torch.autograd.Function):
+    """A memory-efficient activation that saves its output for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = (x / 6 + 0.5).clamp(0, 1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return g * ((y > 0) & (y < 1)).to(g.dtype) / 6
+
+
+class FnAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return HardSigmoidFn.apply(x)
+
+
+class FnResBlock(nn.Module):
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = FnAct()
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = HardSigmoidFn.apply(self.fc(x)) if self.direct else self.act(self.fc(x))
+        out += x  # overwrites the output HardSigmoidFn saved
+        return out
+
+
+# Real-world report: a custom autograd.Function saving its output, then `out += identity` in the block.
+@pytest.mark.parametrize("direct", [False, True])
+def test_custom_function_output_modified_in_place_names_its_module(direct: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), FnResBlock(direct), nn.Linear(4, 1))
+    with pytest.raises(RuntimeError, match="which is output 0 of HardSigmoidFn"):
+        run(model, standard_step(model))
+    f = only(run.gw, "inplace_error")  # type: ignore[attr-defined]
+    assert f.op == "HardSigmoidFn" and "loss code" not in f.message
+    if direct:  # apply() inside the block's own forward: approximate, from the graph
+        assert f.data["follows"] == "1.fc" and f.data["module_exact"] is False
+    else:
+        assert (f.module, f.data["modified_in"], f.data["modified_by"]) == ("1.act", "1", "add_")
+        assert f.data["modified_at"].endswith("out += x  # overwrites the output HardSigmoidFn saved")
+
+
+# Real-world report: WGAN critic loss D(fake) - D(real) left unreduced, and a per-sample Dice loss.
+@pytest.mark.parametrize("loss_kind", ["critic", "dice"])
+def test_nonscalar_loss_built_from_several_outputs_names_the_module_and_the_backward_line(loss_kind: str) -> None:
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        with gradwatch.watch(critic, torch.optim.RMSprop(critic.parameters(), 5e-5), console=False) as gw:
+            real, fake = torch.randn(16, 8), torch.randn(16, 8)
+            if loss_kind == "critic":
+                err = critic(fake) - critic(real)  # no .mean()
+            else:
+                p, t = torch.sigmoid(critic(fake)).flatten(1), (real[:, :1] > 0).float()
+                err = 1 - (2 * (p * t).sum(1) + 1) / (p.sum(1) + t.sum(1) + 1)  # one Dice loss per sample
+            err.backward()
+    f = only(gw, "nonscalar_backward")
+    assert f.module == "2" and f.data["module_exact"] is False
+    assert f.data["source"].endswith("err.backward()") and "`err.mean()`" in f.message
+    assert ("reduced (Sum)" in f.message) is (loss_kind == "dice")
+
+
+class PadZeroing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        self.embedding.weight[0] = 0  # the padding row, zeroed by hand in every forward
+        return self.fc(self.embedding(tok).mean(1))
+
+
+# Real-world reports: WGAN weight clipping outside no_grad; an embedding's padding row zeroed in forward.
+@pytest.mark.parametrize("case", ["clip", "pad_row"])
+def test_inplace_write_into_a_parameter_names_the_parameter(case: str) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = PadZeroing() if case == "pad_row" else nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.RMSprop(model.parameters(), 5e-5)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        with gradwatch.watch(model, opt, console=False) as gw:
+            for _ in range(2):
+                x = torch.randint(0, 20, (8, 5)) if case == "pad_row" else torch.randn(8, 8)
+                opt.zero_grad()
+                model(x).mean().backward()
+                opt.step()
+                if case == "clip":
+                    for p in model.parameters():
+                        p.clamp_(-0.01, 0.01)  # outside torch.no_grad()
+    f = only(gw, "inplace_error")
+    if case == "clip":
+        assert f.params == ("0.weight",) and "with torch.no_grad(): for p in critic.parameters()" in f.message
+    else:
+        assert f.params == ("embedding.weight",) and "padding_idx=PAD" in f.message
