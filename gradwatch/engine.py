@@ -815,6 +815,9 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
+            esc = next((e for e in self.extensions if hasattr(e, "explain_no_graph")), None)
+            if finding is not None and finding.kind == "no_grad_graph" and esc is not None:
+                finding = esc.explain_no_graph(finding)  # a reentrant checkpoint cut the graph, not frozen layers
             found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)

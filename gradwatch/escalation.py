@@ -490,6 +490,8 @@ class Escalation:
         return None
 
     def before_sync(self, ctx: Any) -> None:
+        if ctx.stats.none_grad and self.active:
+            ctx.stats.extra["reentrant_cut"] = self.reentrant_cut  # called by none_grad when it reports only
         passes = ctx.stats.extra.get("backward_passes")
         if isinstance(passes, tuple) and passes[0] >= 3 and self.active:  # only asked about then
             ctx.stats.extra["step_inputs"] = self.step_inputs()
@@ -848,6 +850,69 @@ class Escalation:
             frontier.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
         return out
 
+    def explain_no_graph(self, finding: Finding) -> Finding:
+        """``no_grad_graph`` blaming frozen layers or a cut graph: when the cut is a reentrant checkpoint fed
+        an input without grad (see :meth:`reentrant_cut`), say so instead; the trainable layers are not frozen."""
+        if finding.data.get("cause") not in ("frozen_path", "frozen_or_detached", "detached"):
+            return finding
+        cut = self.reentrant_cut()
+        if not cut:
+            return finding
+        lines = ["Cause: " + reentrant_cause(cut) if l.startswith("Cause: ") else l for l in finding.message.split("\n")]
+        data = {**finding.data, "cause": "reentrant_checkpoint", "reentrant_checkpoint": cut}
+        return dataclasses.replace(finding, message="\n".join(lines), module=next(iter(cut)), data=data)
+
+    def reentrant_cut(self) -> dict[str, list[str]]:
+        """The ``torch.utils.checkpoint(..., use_reentrant=True)`` segments of the step's forward whose tensor
+        inputs all had requires_grad=False (module name), each with the trainable parameters inside it.
+
+        Such a segment returns an output without a graph (torch warns "None of the inputs have
+        requires_grad=True. Gradients will be None"), so its parameters get no gradient although they are
+        trainable: LoRA adapters behind a frozen embedding (peft#137, transformers#23170). Read by replaying
+        the step's last forward with the checkpoint calls recorded: on the ``no_grad_graph`` error path and
+        the first ``none_grad`` report only. Plain loop only; empty when no such segment ran.
+        """
+        cp = sys.modules.get("torch.utils.checkpoint")
+        cls = getattr(cp, "CheckpointFunction", None)
+        if self.integration != "plain" or self.model is None or not self._calls or cls is None:
+            return {}
+        seen: list[Any] = []
+        own = cls.__dict__.get("apply")
+        original = cls.apply
+
+        def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+            if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                seen.append(function)
+            return original(function, preserve_rng_state, *args)
+
+        call = self._calls[-1]
+        model = self._replay_model()
+        self._replaying = True
+        cls.apply = staticmethod(apply)
+        try:
+            with _preserved(model), warnings.catch_warnings(), torch.enable_grad(), _autocast(call.autocast):
+                warnings.simplefilter("ignore")  # torch's own "Gradients will be None", once more
+                args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+                _set_rng_state(call.rng)
+                model(*args, **kwargs)
+        finally:
+            self._replaying = False
+            if own is None:
+                del cls.apply
+            else:
+                cls.apply = own
+        names = self.engine.index.module_name
+        out: dict[str, list[str]] = {}
+        for fn in seen:
+            module = _segment_module(fn)
+            if module is None or id(module) not in names:
+                continue  # a function of no module of the model: which parameters it trains is not known
+            # A frozen segment (no trainable parameter inside) checkpointed this way loses nothing.
+            inside = [n for p in module.parameters() if p.requires_grad and (n := self.engine.index.name_of(p))]
+            if inside:
+                out[names[id(module)] or "<root>"] = inside
+        return out
+
     def _upstream_state(self, call: _Call | None = None) -> tuple[bool, bool]:
         """(non-finite, available) for the gradient that reached the model's outputs.
 
@@ -1190,6 +1255,52 @@ def _checkpoint_not_reentrant() -> Iterator[None]:
             del cls.apply
         else:
             cls.apply = own
+
+
+def _segment_module(fn: Any) -> nn.Module | None:
+    """The module a checkpointed function runs: the module itself, its bound ``forward``/``__call__``,
+    a ``functools.partial`` of those (HF's ``_gradient_checkpointing_func(layer.__call__, ...)``) or a
+    closure over it (older HF's ``create_custom_forward(module)``)."""
+    for _ in range(4):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            break
+    if isinstance(fn, nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return owner
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, nn.Module):
+            return value
+    return None
+
+
+def reentrant_cause(cut: dict[str, list[str]]) -> str:
+    """The cause and fix for trainable parameters inside reentrant checkpoint segments fed inputs without
+    grad (``cut``: module name -> its trainable parameters, see :meth:`Escalation.reentrant_cut`)."""
+    segments = list(cut)
+    params = [n for names in cut.values() for n in names]
+    where = names_text([f"`{s}`" for s in segments])
+    one = len(segments) == 1
+    inside = f" ({names_text(params)})" if params else ""
+    return (
+        f"torch.utils.checkpoint(..., use_reentrant=True) ran {where} on "
+        f"{'an input that does' if one else 'inputs that do'} not require grad (what runs before "
+        f"{'it' if one else 'the first'} is frozen, e.g. the embedding of a LoRA/adapter fine-tune): a reentrant "
+        "checkpoint then returns an output without a graph (torch's warning: \"None of the inputs have "
+        f"requires_grad=True. Gradients will be None\"), so the trainable parameters inside {'it' if one else 'them'}"
+        f"{inside} get no gradient. They are not frozen. Fix: checkpoint with use_reentrant=False "
+        "(`checkpoint(fn, x, use_reentrant=False)`; Hugging Face: "
+        "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})`), or "
+        "call `model.enable_input_require_grads()` (Hugging Face/PEFT), or make the checkpoint's input require "
+        "grad (`x.requires_grad_(True)` on the frozen part's output)."
+    )
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None] | None:
