@@ -111,7 +111,8 @@ class _Call:
     """
 
     __slots__ = (
-        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "__weakref__",
+        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "output_ok",
+        "__weakref__",
     )
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
@@ -127,6 +128,8 @@ class _Call:
         self.node_index: tuple[int, ...] = ()  # the output index of each node (its gradient's key in grads)
         self.losses: list[torch.Tensor] = []
         self.held = True
+        #: Escalated steps only: a device flag, whether every value of the forward's output was finite.
+        self.output_ok: torch.Tensor | None = None
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.held:
@@ -194,11 +197,12 @@ def _input_counts(t: torch.Tensor) -> torch.Tensor:
     ).cpu()
 
 
-def _bad_data(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int]]:
+def _bad_data(named: list[tuple[str, torch.Tensor]], *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
     """``(name, NaN count, Inf count)`` of the tensors that hold NaN or +Inf, each tensor once (the same
     tensor fed to several forward calls, SAM's two passes). One sync; incident path only. An additive
     attention mask or bias (0 or a finite bias where attended, -inf where masked: a causal mask, a padding
-    mask made float, ALiBi or a relative-position bias plus padding) holds -inf by design: not bad data."""
+    mask made float, ALiBi or a relative-position bias plus padding) holds -inf by design: not bad data.
+    ``minus_inf``: those tensors instead, that hold -inf and no NaN or +Inf (see ``_unabsorbed_minus_inf``)."""
     unique: dict[int, tuple[str, torch.Tensor]] = {}
     for n, t in named:
         unique.setdefault(id(t), (n, t))
@@ -206,6 +210,8 @@ def _bad_data(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int
         return []
     with torch.no_grad():
         rows = torch.stack([_input_counts(t.detach()) for _n, t in unique.values()]).tolist()
+    if minus_inf:
+        return [(n, 0, int(c[1])) for (n, _t), c in zip(unique.values(), rows) if c[1] and not (c[0] or c[2])]
     return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(unique.values(), rows) if c[0] or c[2]]
 
 
@@ -483,8 +489,13 @@ class Escalation:
         live.stop_forward()
         try:
             if output is not None:
-                live.hook_graph([t for t in _output_leaves(output) if isinstance(t, torch.Tensor)])
+                leaves = [t for t in _output_leaves(output) if isinstance(t, torch.Tensor)]
+                live.hook_graph(leaves)
                 self._live_used = True
+                if self._calls:  # a device flag, read on an incident only
+                    self._calls[-1].output_ok = _all_finite(
+                        [t.detach() for t in leaves if t.is_floating_point() or t.is_complex()]
+                    )
         except Exception as exc:  # noqa: BLE001
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
         return None
@@ -587,30 +598,36 @@ class Escalation:
                 )
                 state = getattr(self._culprit, "autocast", None) or ()
                 result.half = any(dtype == torch.float16 for _device, dtype in state)
-            if self.integration == "plain" and result is not None and result.loc.origin is None and (
-                result.upstream_bad and result.loc.forward_finite
-            ):
-                # Born after the model, in the loss code: does a tensor the loop holds for this batch (the
-                # target, a per-sample weight or mask) carry it? Lightning checks its whole batch instead.
-                loop_bad = self._loop_tensors()
-                if loop_bad:
-                    out.append(_loop_input_finding(stats.step, loop_bad))
-            named = result is not None and result.loc.origin is not None
-            # Buffers are checked only when the replay named no op: this step's own forward may have written
-            # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
-            # A buffer poisoned by an earlier step (a fake-quant scale, a running scale) makes every later
-            # forward non-finite without a birth: it is named instead of a vague "born in the loss".
-            stale = [] if named else self._poisoned(buffers=True)
-            if named or (result is not None and result.upstream_bad and not stale):
-                self.localizations.append((stats.step, result.loc))
-                origin_finding = _origin_finding(stats.step, result, layers)
-                out.append(origin_finding)
-            elif stale:
-                out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
-            elif result is not None:
-                self.localizations.append((stats.step, result.loc))
-                origin_finding = _origin_finding(stats.step, result, layers)
-                out.append(origin_finding)
+            minus_inf = self._unabsorbed_minus_inf(result)
+            if minus_inf:
+                # -inf the forward never absorbed, as a mask would be: bad data (log of a zero feature).
+                bad_inputs = minus_inf
+                out.append(_input_finding(stats.step, minus_inf, self._poisoned(buffers=True), through=result))
+            else:
+                if self.integration == "plain" and result is not None and result.loc.origin is None and (
+                    result.upstream_bad and result.loc.forward_finite
+                ):
+                    # Born after the model, in the loss code: does a tensor the loop holds for this batch (the
+                    # target, a per-sample weight or mask) carry it? Lightning checks its whole batch instead.
+                    loop_bad = self._loop_tensors()
+                    if loop_bad:
+                        out.append(_loop_input_finding(stats.step, loop_bad))
+                named = result is not None and result.loc.origin is not None
+                # Buffers are checked only when the replay named no op: this step's own forward may have written
+                # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
+                # A buffer poisoned by an earlier step (a fake-quant scale, a running scale) makes every later
+                # forward non-finite without a birth: it is named instead of a vague "born in the loss".
+                stale = [] if named else self._poisoned(buffers=True)
+                if named or (result is not None and result.upstream_bad and not stale):
+                    self.localizations.append((stats.step, result.loc))
+                    origin_finding = _origin_finding(stats.step, result, layers)
+                    out.append(origin_finding)
+                elif stale:
+                    out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
+                elif result is not None:
+                    self.localizations.append((stats.step, result.loc))
+                    origin_finding = _origin_finding(stats.step, result, layers)
+                    out.append(origin_finding)
         no_forward = self.integration == "plain" and not self._calls and self._forwards == 0
         if result is None and not bad_inputs and no_forward:
             out.append(_no_forward_finding(stats.step, self.model))
@@ -662,14 +679,33 @@ class Escalation:
             internal_warning("Escalation.replay", exc, owner=self.engine)
             yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
-    def _nonfinite_inputs(self) -> list[tuple[str, int, int]]:
+    def _nonfinite_inputs(self, *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
         named: list[tuple[str, torch.Tensor]] = []
         for src in self._source():
             if isinstance(src, _Batch):
                 named += _named_tensors("batch", src.batch)
             else:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
-        return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()])
+        return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()], minus_inf=minus_inf)
+
+    def _unabsorbed_minus_inf(self, result: _Result | None) -> list[tuple[str, int, int]]:
+        """The inputs holding -inf but no NaN or +Inf, when their -inf was not absorbed. Such an input passes
+        for an additive attention mask (see ``_bad_data``) only if the forward absorbs its -inf (softmax,
+        masked_fill); one that reaches the model's output as NaN/Inf through plain arithmetic (a Linear) is bad
+        data: log of a zero count feature. Not when a NaN was born from finite values, nor for a softmax over a
+        fully masked row (the mask's own trap). Incident path, plain loop: a sync or two."""
+        if result is None or result.output_ok is None or self.integration != "plain":
+            return []
+        origin = result.loc.origin
+        if origin is not None and (
+            origin.phase != "forward"
+            or not origin.incoming.get("inf")
+            or any(_absorbs_mask(name) for name in (origin.op, origin.forward_op) if name)
+        ):
+            return []
+        if not _nonfinite_flags([result.output_ok])[0]:
+            return []
+        return self._nonfinite_inputs(minus_inf=True)
 
     def _output_nan(self) -> bool:
         """Whether a held output gradient of the step holds NaN: the loss (or the loss code) was NaN. A
@@ -753,6 +789,8 @@ class Escalation:
                 self._live_used = False
             upstream_bad, available = self._upstream_state()
             result = _Result(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
+            flags = [c.output_ok for c in self._calls if c.output_ok is not None]
+            result.output_ok = torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
             if loc.origin is not None or (upstream_bad and loc.forward_finite):
                 return result
         for src in self._replay_order():
@@ -988,6 +1026,9 @@ class Escalation:
                 finally:
                     loc.stop_forward()
                 leaves = list(enumerate(_output_leaves(output)))
+                output_ok = _all_finite(
+                    [t.detach() for _i, t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+                )
                 outs = [(i, t) for i, t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 loc.hook_graph([t for _i, t in outs])
                 use_real = available and not upstream_bad
@@ -1012,7 +1053,7 @@ class Escalation:
             result = loc.resolve()
         finally:
             loc.close()
-        return _Result(
+        out = _Result(
             result,
             replayed=True,
             surrogate=surrogate,
@@ -1020,6 +1061,8 @@ class Escalation:
             anomaly_error=anomaly_error,
             anomaly_traceback=traceback,
         )
+        out.output_ok = output_ok
+        return out
 
     def _replay_lightning(self, src: _Batch) -> _Result:
         pl_module = src.pl_module
@@ -1159,6 +1202,8 @@ class _Result:
         self.loss_nonfinite = False
         #: The replayed call ran under autocast in float16.
         self.half = False
+        #: Plain loop: a device flag, whether the forward's output was all finite (None: not known).
+        self.output_ok: torch.Tensor | None = None
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -1503,8 +1548,32 @@ def layer_table(stats: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str] | None = None) -> Finding:
+def _absorbs_mask(op: str) -> bool:
+    """Whether ``op`` is where an additive attention mask's -inf is meant to go (a NaN there is a fully
+    masked row, not bad data): softmax, log-softmax, logsumexp, scaled_dot_product_attention."""
+    base = _op_base(op).lower()
+    return any(k in base for k in ("softmax", "logsumexp", "scaled_dot_product", "scaleddotproduct", "attention"))
+
+
+def _input_finding(
+    step: int, bad: list[tuple[str, int, int]], buffers: list[str] | None = None, through: _Result | None = None
+) -> Finding:
     parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in bad]
+    minus_inf = ""
+    if through is not None:
+        site = through.loc.first_module  # the first module whose output it made non-finite
+        origin = through.loc.origin
+        if site is None and origin is not None:
+            site = f"op {origin.op}" + (f" in module {origin.module}" if origin.module else "")
+        elif site is not None:
+            site = f"module {site}"
+        minus_inf = (
+            " It holds -inf and no NaN or +Inf, which would pass for an additive attention mask, but the forward "
+            "does not absorb it as a mask is (softmax, masked_fill): it reaches the model's output as NaN/Inf"
+            + (f" (first through {site})" if site else "")
+            + ". A -inf feature is usually log of 0: log of a zero count, price or probability (use "
+            "torch.log1p(x), or x.clamp_min(1e-8).log())."
+        )
     stale = ""
     if buffers:
         stale = (
@@ -1519,7 +1588,7 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str
         message=(
             f"The inputs of step {step} already hold non-finite values before the model ran: "
             f"{', '.join(parts[:8])}{' and more' if len(parts) > 8 else ''}. The data, not the model, is the "
-            "cause.\nFix: find where the batch is built (missing values in the dataset, a normalization by "
+            "cause." + minus_inf + "\nFix: find where the batch is built (missing values in the dataset, a normalization by "
             "a zero std, a broken augmentation); filter or impute bad samples, and assert "
             "torch.isfinite(x).all() in the data pipeline while debugging." + stale
         ),
