@@ -276,6 +276,7 @@ class Escalation:
         self._unnested: Any = None
         self._live_used = False
         self._poison_reported = False
+        self._half_loss = False  # a loss of this step was computed in float16 (read by nonfinite_loss)
         self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
         self._redirect: Any = None  # the arguments of Fabric's training_step call now running (not a forward)
 
@@ -363,6 +364,8 @@ class Escalation:
         """``observe_loss`` (before backward in the documented loop): O(1) outside an escalation window."""
         if self._replaying:
             return
+        if loss.dtype == torch.float16:
+            self._half_loss = True
         try:
             if self.integration == "lightning":
                 if self._batches and len(self._batches[-1].losses) < MAX_CALLS:
@@ -501,6 +504,10 @@ class Escalation:
         return None
 
     def before_sync(self, ctx: Any) -> None:
+        if self._half_loss:
+            # A float16 loss that goes Inf has overflowed 65504 (squared errors above 256): nonfinite_loss says so.
+            self._half_loss = False
+            ctx.stats.extra["loss_dtype"] = "float16"
         if ctx.stats.none_grad and self.active:
             ctx.stats.extra["reentrant_cut"] = self.reentrant_cut  # called by none_grad when it reports only
         passes = ctx.stats.extra.get("backward_passes")

@@ -1916,3 +1916,24 @@ def test_a_fully_masked_row_of_an_additive_mask_input_is_the_softmax_not_bad_dat
     assert not of(gw.findings, "nonfinite_input"), show(gw.findings)
     origin = of(gw.findings, "nan_origin")
     assert origin and origin[0].step == 2 and "Softmax" in origin[0].op, show(gw.findings)
+
+
+# model.half() with mse_loss on targets in natural units (prices of a few hundred): the squared error
+# overflows float16's 65504 while the gradients stay finite; gradwatch blamed a mean over zero elements.
+def test_a_float16_loss_that_overflows_says_float16_and_to_compute_the_loss_in_float32() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(3)
+    with watch(model, opt, on_nonfinite="skip") as gw:
+        for step in range(8):
+            x = torch.randn(16, 5, generator=g).half()
+            y = (torch.rand(16, 1, generator=g) * (400 if step == 5 else 100)).half()
+            loss = F.mse_loss(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = of(gw.findings, "nonfinite_loss")
+    assert f.step == 5 and f.data["float16_overflow"], show(gw.findings)
+    assert "65504" in f.message and "out.float()" in f.message and "mean over zero" not in f.message

@@ -47,7 +47,20 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         )
     if stats.loss_nonfinite:
         grads_finite = bool(stats.names) and not stats.nonfinite and not stats.overflow_norm
-        if grads_finite:
+        half = stats.extra.get("loss_dtype") == "float16"
+        if half and not (stats.loss is not None and math.isnan(stats.loss)):
+            # Computed in float16, whose largest value is 65504: a squared error above 256 (mse_loss on targets
+            # in natural units), a sum over a large batch or an exp above 11 overflows to Inf.
+            message = (
+                f"The loss is {_fmt(stats.loss)} at step {stats.step} and was computed in float16 "
+                "(model.half(), precision=\"16-true\"), whose largest value is 65504: it overflowed "
+                "float16 (a squared error above 256, a sum over many elements, exp above 11)"
+                + (", although every gradient is finite" if grads_finite else "")
+                + f". {action}\nFix: compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
+                "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
+                "normalizing the targets (and inputs) keeps the values in range too."
+            )
+        elif grads_finite:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
                 "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual "
@@ -72,7 +85,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 step=stats.step,
                 severity="error",
                 message=message,
-                data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite},
+                data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite,
+                      "float16_overflow": half and not (stats.loss is not None and math.isnan(stats.loss))},
             )
         )
     if stats.nonfinite:
