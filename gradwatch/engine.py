@@ -71,7 +71,9 @@ class Extension(Protocol):
     - ``before_sync(ctx)``: queue device values into ``ctx.batch`` (no sync allowed).
     - ``after_sync(ctx)``: read them back (``ctx.batch.resolve()``) and fill ``ctx.stats.extra``.
     - ``on_incident(stats, findings) -> list[Finding]``: the step is non-finite; localize it before the
-      update (may replay the step) and return extra findings.
+      update (may replay the step) and return extra findings. A returned finding with ``data["restates"]``
+      (a kind) takes the place of the step's finding of that kind: its cause restated in the light of the
+      origin found (``nonfinite_loss`` deferring to ``nan_origin``).
     - ``after_step(stats, decision)``: the decision is taken.
     - ``close()``: detach everything.
     """
@@ -556,6 +558,12 @@ class Engine:
                 raise
             except Exception as exc:  # noqa: BLE001
                 internal_warning(f"{type(ext).__name__}.on_incident", exc, owner=self, key=type(ext).__name__)
+        for new in [f for f in extra if "restates" in f.data]:
+            extra.remove(new)
+            kind = new.data.pop("restates")
+            at = next((i for i, f in enumerate(findings) if f.kind == kind and f.step == new.step), None)
+            if at is not None:
+                findings[at] = new
         return extra
 
     def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
@@ -853,7 +861,9 @@ class Engine:
         stats = StepStats(step=step, loss=bad_loss, loss_nonfinite=bad_loss is not None, nonfinite=tuple(bad),
                           nan_counts=dict(counts[0]), inf_counts=dict(counts[1]))
         stats.extra["raised"] = type(exc).__name__
-        return [finding, *self._incident(stats, [finding])]
+        found = [finding]
+        found += self._incident(stats, found)  # may restate ``finding`` in place
+        return found
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:

@@ -646,7 +646,21 @@ class Escalation:
                 "changes .grad between backward() and step(), at the loss outside the model, or at "
                 "randomness such as dropout). The next steps run escalated."
             )
-        self._write_report(stats, findings + out, layers, result, note)
+        origin = result.loc.origin if result is not None and origin_finding is not None else None
+        if origin is not None:
+            # The checks' guess at the cause of a NaN loss with finite gradients ("a mean over zero elements")
+            # would contradict the op named here: it is restated (the engine puts it in the original's place).
+            from gradwatch.checks.nonfinite import defer_to_origin
+
+            fix = fix_for(origin.op, origin.forward_op)
+            for i, f in enumerate(findings):
+                restated = defer_to_origin(f, origin.op, origin.module, fix) if f.step == stats.step else None
+                if restated is not None:
+                    out.append(restated)
+                    plain = dataclasses.replace(restated, data={k: v for k, v in restated.data.items() if k != "restates"})
+                    findings = [*findings[:i], plain, *findings[i + 1:]]  # for the report
+                    break
+        self._write_report(stats, findings + [f for f in out if "restates" not in f.data], layers, result, note)
         self._open_window(stats.step)
         return out
 

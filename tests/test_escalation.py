@@ -1256,3 +1256,40 @@ def test_frozen_segments_in_reentrant_checkpoint_keep_the_frozen_explanation() -
             loss.backward()
     (f,) = gw.findings
     assert f.kind == "no_grad_graph" and f.data["cause"] != "reentrant_checkpoint", f.message
+
+
+class _L2Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.proj(x))
+        return h / h.norm(dim=1, keepdim=True)  # 0 / 0 for an all-zero row; relu stops its gradient
+
+
+# A hand-written L2 normalization of a zero vector: nan_origin named the Div, while the bundled
+# nonfinite_loss said "the NaN/Inf is in the loss value only... a mean over zero elements, 0*log(0)".
+def test_nonfinite_loss_with_finite_gradients_defers_to_the_origin_named(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU(), _L2Head())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    protos = nn.functional.normalize(torch.randn(3, 4), dim=1)
+    with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
+        for step in range(4):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            if step == 2:
+                x[3] = 0.0
+            loss = nn.functional.cross_entropy(model(x) @ protos.t(), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    at2 = [f for f in gw.findings if f.step == 2]
+    assert [f.kind for f in at2] == ["nonfinite_loss", "nan_origin"], [f.kind for f in at2]
+    loss_f, origin = at2
+    assert origin.op == "DivBackward0" and loss_f.data["grads_finite"]
+    assert "DivBackward0" in loss_f.message and "mean over zero elements" not in loss_f.message
+    assert "restates" not in loss_f.data and "clamp_min" in loss_f.message
+    report = open(origin.data["report"]).read()
+    assert "mean over zero elements" not in report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from gradwatch.config import Config
@@ -14,6 +15,32 @@ _ACTION = {
     "warn": "on_nonfinite='warn': the update was applied, so the weights are now poisoned.",
     "raise": "on_nonfinite='raise': training stops before the update.",
 }
+
+
+#: The cause of a non-finite loss with finite gradients, until an op is named (see ``defer_to_origin``).
+_LOSS_ONLY = (
+    "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual causes: a mean over "
+    "zero elements (every target equal to ignore_index, an empty mask or selection: 0/0), 0 * log(0) in an "
+    "entropy or KL term written by hand (p * p.log() with a zero probability: 0 * -inf), or a NaN/Inf constant "
+    "added to the loss."
+)
+
+
+def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> Finding | None:
+    """``finding`` (a ``nonfinite_loss`` with finite gradients) restated once the step's ``nan_origin`` named
+    the op: its list of usual causes would contradict it. None for any other finding (left as it is)."""
+    first, _, rest = finding.message.partition("\n")
+    if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or _LOSS_ONLY not in first:
+        return None
+    head, action = first.split(_LOSS_ONLY, 1)
+    where = f"op {op}" + (f" in module {module}" if module else "")
+    message = (
+        f"{head}NaN/Inf was born at {where} (the nan_origin finding of this step), and its gradient was "
+        "stopped on the way back to the weights (a ReLU at 0, a mask or a detached branch zeroes it), so it "
+        f"shows in the loss value only.{action}\nFix: {fix}"
+    )
+    data = {**finding.data, "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
+    return dataclasses.replace(finding, message=message, data=data)
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -63,11 +90,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         elif grads_finite:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
-                "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual "
-                "causes: a mean over zero elements (every target equal to ignore_index, an empty mask or "
-                "selection: 0/0), 0 * log(0) in an entropy or KL term written by hand (p * p.log() with a "
-                "zero probability: 0 * -inf), or a NaN/Inf constant added to the loss. "
-                f"{action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
+                f"{_LOSS_ONLY} {action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
                 "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
                 "log-probabilities; check the terms added to the loss for NaN/Inf."
             )
