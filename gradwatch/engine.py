@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gradwatch import checks as _checks
+from gradwatch.checks.exploding import APPLIED, after_explosion
 from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.history import History
@@ -590,6 +591,7 @@ class Engine:
                     message=(
                         f"{self.consecutive_skips} optimizer steps in a row were non-finite "
                         f"(max_skips={c.max_skips}); skipping further would only stall the run.\n"
+                        + _after_explosion(stats, self.history)
                         + (
                             "Fix: the cause is persistent: the gradients are finite but their norm overflows "
                             "float32, so the weights or the loss have blown up (see the first exploding_grad "
@@ -602,7 +604,8 @@ class Engine:
                         )
                         + "Raise max_skips (or set it to None) to keep skipping."
                     ),
-                    data={"consecutive_skips": self.consecutive_skips},
+                    data={"consecutive_skips": self.consecutive_skips,
+                          "after_exploding": (self.history.memory.get(APPLIED) or {}).get("step")},
                 )
                 findings.append(f)
                 error = GradWatchError(_error_text(stats, findings, f"max_skips={c.max_skips}"), findings)
@@ -962,6 +965,12 @@ def failed_trial_loss(loss: Any) -> Any:
     if isinstance(loss, torch.Tensor):
         return torch.full(loss.shape, 1e30, dtype=torch.float32, device=loss.device)
     return 1e30
+
+
+def _after_explosion(stats: StepStats, history: History) -> str:
+    """too_many_skips: the exploding update that threw the weights out of range before the skips, if any."""
+    text = after_explosion(stats, history)
+    return text + "\n" if text else ""
 
 
 def _error_text(stats: StepStats | None, findings: list[Finding], why: str) -> str:

@@ -1937,3 +1937,47 @@ def test_a_float16_loss_that_overflows_says_float16_and_to_compute_the_loss_in_f
     (f,) = of(gw.findings, "nonfinite_loss")
     assert f.step == 5 and f.data["float16_overflow"], show(gw.findings)
     assert "65504" in f.message and "out.float()" in f.message and "mean over zero" not in f.message
+
+
+# A learning-rate typo (SGD lr=2 on unnormalized features): a finite gradient 2e7x the weights' norm is
+# applied at step 1 with only an exploding_grad warning leading with clipping; the weights overflow later and
+# the nonfinite findings and too_many_skips said "see the first nonfinite finding" with no link back to it.
+def test_nonfinite_steps_after_an_applied_explosion_name_it_and_a_typo_lr_leads_the_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(GradWatchError), watch(model, opt, on_nonfinite="skip", max_skips=3) as gw:
+        for _ in range(30):
+            x = torch.rand(32, 4, generator=g) * 10
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (boom,) = of(gw.findings, "exploding_grad")
+    assert boom.data["huge_lr"] == 2.0 and "Fix: lower the learning rate first: lr=2 (SGD)" in boom.message
+    bad = of(gw.findings, "nonfinite_grad")
+    assert bad and all(f.data["after_exploding"] for f in bad), show(gw.findings)
+    assert f"exploding gradient of step {boom.step}" in bad[0].message
+    (stop,) = of(gw.findings, "too_many_skips")
+    assert stop.data["after_exploding"] == boom.step and f"step {boom.step}" in stop.message
+
+
+def test_a_usual_learning_rate_does_not_lead_the_exploding_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.RNN(2, 32, nonlinearity="relu", batch_first=True)
+    with torch.no_grad():
+        model.weight_hh_l0.copy_(torch.eye(32) * 1.2)  # an IRNN init gone wrong: the gradient explodes
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with watch(model, opt, on_nonfinite="skip", max_skips=None) as gw:
+        for _ in range(3):
+            x = torch.rand(16, 100, 2, generator=g)
+            loss = model(x)[0][:, -1].pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    boom = of(gw.findings, "exploding_grad")
+    assert boom and "huge_lr" not in boom[0].data and "Fix: clip gradients" in boom[0].message, show(gw.findings)
+    assert all(f.data["after_exploding"] for f in of(gw.findings, "nonfinite_grad") if f.step > boom[0].step)

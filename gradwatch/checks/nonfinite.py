@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gradwatch.checks.exploding import after_explosion
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
@@ -72,6 +73,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                       "no_update": True},
             )
         )
+    cause = after_explosion(stats, history) if stats.loss_nonfinite or stats.nonfinite else ""
     if stats.loss_nonfinite:
         grads_finite = bool(stats.names) and not stats.nonfinite and not stats.overflow_norm
         half = stats.extra.get("loss_dtype") == "float16"
@@ -98,7 +100,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes the "
                 f"gradients of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
-                f"{action}\nFix: look for log/sqrt/division of zero or negative values in the loss, "
+                f"{action}\n{cause + chr(10) if cause else ''}Fix: look for log/sqrt/division of zero or negative values in the loss, "
                 "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
                 "learning rate, or check the batch for NaN/Inf."
             )
@@ -109,6 +111,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 severity="error",
                 message=message,
                 data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite,
+                      "after_exploding": bool(cause),
                       "float16_overflow": half and not (stats.loss is not None and math.isnan(stats.loss))},
             )
         )
@@ -142,7 +145,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     f"{stats.step} ({counts}): {names_text(stats.nonfinite)}. "
                     f"{action}\nWhy it matters: one NaN gradient poisons the weights and the optimizer's "
                     "moments for good, and clip_grad_norm_ spreads it to every parameter.\n"
-                    "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
+                    + (cause + "\n" if cause else "")
+                    + "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
                     "causes are log/sqrt/pow at 0 or below, division by a zero norm, exp overflow, or too "
                     "high a learning rate."
                 ),
@@ -153,6 +157,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "inf_counts": dict(stats.inf_counts),
                     "modules": modules,
                     "optimizer": stats.optimizer_index,
+                    "after_exploding": bool(cause),
                     "table": rows,
                 },
             )
