@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gradwatch import checks as _checks
+from gradwatch.checks.exploding import APPLIED, after_explosion
 from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.history import History
@@ -71,7 +72,9 @@ class Extension(Protocol):
     - ``before_sync(ctx)``: queue device values into ``ctx.batch`` (no sync allowed).
     - ``after_sync(ctx)``: read them back (``ctx.batch.resolve()``) and fill ``ctx.stats.extra``.
     - ``on_incident(stats, findings) -> list[Finding]``: the step is non-finite; localize it before the
-      update (may replay the step) and return extra findings.
+      update (may replay the step) and return extra findings. A returned finding with ``data["restates"]``
+      (a kind) takes the place of the step's finding of that kind: its cause restated in the light of the
+      origin found (``nonfinite_loss`` deferring to ``nan_origin``).
     - ``after_step(stats, decision)``: the decision is taken.
     - ``close()``: detach everything.
     """
@@ -592,6 +595,12 @@ class Engine:
                 raise
             except Exception as exc:  # noqa: BLE001
                 internal_warning(f"{type(ext).__name__}.on_incident", exc, owner=self, key=type(ext).__name__)
+        for new in [f for f in extra if "restates" in f.data]:
+            extra.remove(new)
+            kind = new.data.pop("restates")
+            at = next((i for i, f in enumerate(findings) if f.kind == kind and f.step == new.step), None)
+            if at is not None:
+                findings[at] = new
         return extra
 
     def _act(self, stats: StepStats, findings: list[Finding]) -> Decision:
@@ -618,6 +627,7 @@ class Engine:
                     message=(
                         f"{self.consecutive_skips} optimizer steps in a row were non-finite "
                         f"(max_skips={c.max_skips}); skipping further would only stall the run.\n"
+                        + _after_explosion(stats, self.history)
                         + (
                             "Fix: the cause is persistent: the gradients are finite but their norm overflows "
                             "float32, so the weights or the loss have blown up (see the first exploding_grad "
@@ -630,7 +640,8 @@ class Engine:
                         )
                         + "Raise max_skips (or set it to None) to keep skipping."
                     ),
-                    data={"consecutive_skips": self.consecutive_skips},
+                    data={"consecutive_skips": self.consecutive_skips,
+                          "after_exploding": (self.history.memory.get(APPLIED) or {}).get("step")},
                 )
                 findings.append(f)
                 error = GradWatchError(_error_text(stats, findings, f"max_skips={c.max_skips}"), findings)
@@ -851,6 +862,9 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
+            esc = next((e for e in self.extensions if hasattr(e, "explain_no_graph")), None)
+            if finding is not None and finding.kind == "no_grad_graph" and esc is not None:
+                finding = esc.explain_no_graph(finding)  # a reentrant checkpoint cut the graph, not frozen layers
             if finding is not None and finding.data.get("loss_nonfinite"):
                 found = self._forward_born(exc, s, finding)
             else:
@@ -889,7 +903,9 @@ class Engine:
         stats = StepStats(step=step, loss=bad_loss, loss_nonfinite=bad_loss is not None, nonfinite=tuple(bad),
                           nan_counts=dict(counts[0]), inf_counts=dict(counts[1]))
         stats.extra["raised"] = type(exc).__name__
-        return [finding, *self._incident(stats, [finding])]
+        found = [finding]
+        found += self._incident(stats, found)  # may restate ``finding`` in place
+        return found
 
     def _forward_born(self, exc: BaseException, step: int, anomaly: Finding) -> list[Finding]:
         """Anomaly mode stopped backward on a loss that was NaN/Inf already: the NaN was born in the forward
@@ -1031,6 +1047,12 @@ def failed_trial_loss(loss: Any) -> Any:
     if isinstance(loss, torch.Tensor):
         return torch.full(loss.shape, 1e30, dtype=torch.float32, device=loss.device)
     return 1e30
+
+
+def _after_explosion(stats: StepStats, history: History) -> str:
+    """too_many_skips: the exploding update that threw the weights out of range before the skips, if any."""
+    text = after_explosion(stats, history)
+    return text + "\n" if text else ""
 
 
 def _error_text(stats: StepStats | None, findings: list[Finding], why: str) -> str:

@@ -111,7 +111,8 @@ class _Call:
     """
 
     __slots__ = (
-        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "__weakref__",
+        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "output_ok",
+        "__weakref__",
     )
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
@@ -127,6 +128,8 @@ class _Call:
         self.node_index: tuple[int, ...] = ()  # the output index of each node (its gradient's key in grads)
         self.losses: list[torch.Tensor] = []
         self.held = True
+        #: Escalated steps only: a device flag, whether every value of the forward's output was finite.
+        self.output_ok: torch.Tensor | None = None
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.held:
@@ -194,11 +197,12 @@ def _input_counts(t: torch.Tensor) -> torch.Tensor:
     ).cpu()
 
 
-def _bad_data(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int]]:
+def _bad_data(named: list[tuple[str, torch.Tensor]], *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
     """``(name, NaN count, Inf count)`` of the tensors that hold NaN or +Inf, each tensor once (the same
     tensor fed to several forward calls, SAM's two passes). One sync; incident path only. An additive
     attention mask or bias (0 or a finite bias where attended, -inf where masked: a causal mask, a padding
-    mask made float, ALiBi or a relative-position bias plus padding) holds -inf by design: not bad data."""
+    mask made float, ALiBi or a relative-position bias plus padding) holds -inf by design: not bad data.
+    ``minus_inf``: those tensors instead, that hold -inf and no NaN or +Inf (see ``_unabsorbed_minus_inf``)."""
     unique: dict[int, tuple[str, torch.Tensor]] = {}
     for n, t in named:
         unique.setdefault(id(t), (n, t))
@@ -206,6 +210,8 @@ def _bad_data(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, int
         return []
     with torch.no_grad():
         rows = torch.stack([_input_counts(t.detach()) for _n, t in unique.values()]).tolist()
+    if minus_inf:
+        return [(n, 0, int(c[1])) for (n, _t), c in zip(unique.values(), rows) if c[1] and not (c[0] or c[2])]
     return [(n, int(c[0]), int(c[1])) for (n, _t), c in zip(unique.values(), rows) if c[0] or c[2]]
 
 
@@ -270,6 +276,7 @@ class Escalation:
         self._unnested: Any = None
         self._live_used = False
         self._poison_reported = False
+        self._half_loss = False  # a loss of this step was computed in float16 (read by nonfinite_loss)
         self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
         self._redirect: Any = None  # the arguments of Fabric's training_step call now running (not a forward)
 
@@ -357,6 +364,8 @@ class Escalation:
         """``observe_loss`` (before backward in the documented loop): O(1) outside an escalation window."""
         if self._replaying:
             return
+        if loss.dtype == torch.float16:
+            self._half_loss = True
         try:
             if self.integration == "lightning":
                 if self._batches and len(self._batches[-1].losses) < MAX_CALLS:
@@ -483,13 +492,24 @@ class Escalation:
         live.stop_forward()
         try:
             if output is not None:
-                live.hook_graph([t for t in _output_leaves(output) if isinstance(t, torch.Tensor)])
+                leaves = [t for t in _output_leaves(output) if isinstance(t, torch.Tensor)]
+                live.hook_graph(leaves)
                 self._live_used = True
+                if self._calls:  # a device flag, read on an incident only
+                    self._calls[-1].output_ok = _all_finite(
+                        [t.detach() for t in leaves if t.is_floating_point() or t.is_complex()]
+                    )
         except Exception as exc:  # noqa: BLE001
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
         return None
 
     def before_sync(self, ctx: Any) -> None:
+        if self._half_loss:
+            # A float16 loss that goes Inf has overflowed 65504 (squared errors above 256): nonfinite_loss says so.
+            self._half_loss = False
+            ctx.stats.extra["loss_dtype"] = "float16"
+        if ctx.stats.none_grad and self.active:
+            ctx.stats.extra["reentrant_cut"] = self.reentrant_cut  # called by none_grad when it reports only
         passes = ctx.stats.extra.get("backward_passes")
         if isinstance(passes, tuple) and passes[0] >= 3 and self.active:  # only asked about then
             ctx.stats.extra["step_inputs"] = self.step_inputs()
@@ -585,30 +605,36 @@ class Escalation:
                 )
                 state = getattr(self._culprit, "autocast", None) or ()
                 result.half = any(dtype == torch.float16 for _device, dtype in state)
-            if self.integration == "plain" and result is not None and result.loc.origin is None and (
-                result.upstream_bad and result.loc.forward_finite
-            ):
-                # Born after the model, in the loss code: does a tensor the loop holds for this batch (the
-                # target, a per-sample weight or mask) carry it? Lightning checks its whole batch instead.
-                loop_bad = self._loop_tensors()
-                if loop_bad:
-                    out.append(_loop_input_finding(stats.step, loop_bad))
-            named = result is not None and result.loc.origin is not None
-            # Buffers are checked only when the replay named no op: this step's own forward may have written
-            # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
-            # A buffer poisoned by an earlier step (a fake-quant scale, a running scale) makes every later
-            # forward non-finite without a birth: it is named instead of a vague "born in the loss".
-            stale = [] if named else self._poisoned(buffers=True)
-            if named or (result is not None and result.upstream_bad and not stale):
-                self.localizations.append((stats.step, result.loc))
-                origin_finding = _origin_finding(stats.step, result, layers)
-                out.append(origin_finding)
-            elif stale:
-                out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
-            elif result is not None:
-                self.localizations.append((stats.step, result.loc))
-                origin_finding = _origin_finding(stats.step, result, layers)
-                out.append(origin_finding)
+            minus_inf = self._unabsorbed_minus_inf(result)
+            if minus_inf:
+                # -inf the forward never absorbed, as a mask would be: bad data (log of a zero feature).
+                bad_inputs = minus_inf
+                out.append(_input_finding(stats.step, minus_inf, self._poisoned(buffers=True), through=result))
+            else:
+                if self.integration == "plain" and result is not None and result.loc.origin is None and (
+                    result.upstream_bad and result.loc.forward_finite
+                ):
+                    # Born after the model, in the loss code: does a tensor the loop holds for this batch (the
+                    # target, a per-sample weight or mask) carry it? Lightning checks its whole batch instead.
+                    loop_bad = self._loop_tensors()
+                    if loop_bad:
+                        out.append(_loop_input_finding(stats.step, loop_bad))
+                named = result is not None and result.loc.origin is not None
+                # Buffers are checked only when the replay named no op: this step's own forward may have written
+                # the NaN into them (BatchNorm running statistics) after it was born where the replay found it.
+                # A buffer poisoned by an earlier step (a fake-quant scale, a running scale) makes every later
+                # forward non-finite without a birth: it is named instead of a vague "born in the loss".
+                stale = [] if named else self._poisoned(buffers=True)
+                if named or (result is not None and result.upstream_bad and not stale):
+                    self.localizations.append((stats.step, result.loc))
+                    origin_finding = _origin_finding(stats.step, result, layers)
+                    out.append(origin_finding)
+                elif stale:
+                    out.append(_poisoned_finding(stats.step, stale, config.on_nonfinite, layers, buffers=True))
+                elif result is not None:
+                    self.localizations.append((stats.step, result.loc))
+                    origin_finding = _origin_finding(stats.step, result, layers)
+                    out.append(origin_finding)
         no_forward = self.integration == "plain" and not self._calls and self._forwards == 0
         if result is None and not bad_inputs and no_forward:
             out.append(_no_forward_finding(stats.step, self.model))
@@ -620,7 +646,21 @@ class Escalation:
                 "changes .grad between backward() and step(), at the loss outside the model, or at "
                 "randomness such as dropout). The next steps run escalated."
             )
-        self._write_report(stats, findings + out, layers, result, note)
+        origin = result.loc.origin if result is not None and origin_finding is not None else None
+        if origin is not None:
+            # The checks' guess at the cause of a NaN loss with finite gradients ("a mean over zero elements")
+            # would contradict the op named here: it is restated (the engine puts it in the original's place).
+            from gradwatch.checks.nonfinite import defer_to_origin
+
+            fix = fix_for(origin.op, origin.forward_op)
+            for i, f in enumerate(findings):
+                restated = defer_to_origin(f, origin.op, origin.module, fix) if f.step == stats.step else None
+                if restated is not None:
+                    out.append(restated)
+                    plain = dataclasses.replace(restated, data={k: v for k, v in restated.data.items() if k != "restates"})
+                    findings = [*findings[:i], plain, *findings[i + 1:]]  # for the report
+                    break
+        self._write_report(stats, findings + [f for f in out if "restates" not in f.data], layers, result, note)
         self._open_window(stats.step)
         return out
 
@@ -660,14 +700,33 @@ class Escalation:
             internal_warning("Escalation.replay", exc, owner=self.engine)
             yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
-    def _nonfinite_inputs(self) -> list[tuple[str, int, int]]:
+    def _nonfinite_inputs(self, *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
         named: list[tuple[str, torch.Tensor]] = []
         for src in self._source():
             if isinstance(src, _Batch):
                 named += _named_tensors("batch", src.batch)
             else:
                 named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
-        return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()])
+        return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()], minus_inf=minus_inf)
+
+    def _unabsorbed_minus_inf(self, result: _Result | None) -> list[tuple[str, int, int]]:
+        """The inputs holding -inf but no NaN or +Inf, when their -inf was not absorbed. Such an input passes
+        for an additive attention mask (see ``_bad_data``) only if the forward absorbs its -inf (softmax,
+        masked_fill); one that reaches the model's output as NaN/Inf through plain arithmetic (a Linear) is bad
+        data: log of a zero count feature. Not when a NaN was born from finite values, nor for a softmax over a
+        fully masked row (the mask's own trap). Incident path, plain loop: a sync or two."""
+        if result is None or result.output_ok is None or self.integration != "plain":
+            return []
+        origin = result.loc.origin
+        if origin is not None and (
+            origin.phase != "forward"
+            or not origin.incoming.get("inf")
+            or any(_absorbs_mask(name) for name in (origin.op, origin.forward_op) if name)
+        ):
+            return []
+        if not _nonfinite_flags([result.output_ok])[0]:
+            return []
+        return self._nonfinite_inputs(minus_inf=True)
 
     def _output_nan(self) -> bool:
         """Whether a held output gradient of the step holds NaN: the loss (or the loss code) was NaN. A
@@ -751,6 +810,8 @@ class Escalation:
                 self._live_used = False
             upstream_bad, available = self._upstream_state()
             result = _Result(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
+            flags = [c.output_ok for c in self._calls if c.output_ok is not None]
+            result.output_ok = torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
             if loc.origin is not None or (upstream_bad and loc.forward_finite):
                 return result
         for src in self._replay_order():
@@ -848,6 +909,69 @@ class Escalation:
             frontier.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
         return out
 
+    def explain_no_graph(self, finding: Finding) -> Finding:
+        """``no_grad_graph`` blaming frozen layers or a cut graph: when the cut is a reentrant checkpoint fed
+        an input without grad (see :meth:`reentrant_cut`), say so instead; the trainable layers are not frozen."""
+        if finding.data.get("cause") not in ("frozen_path", "frozen_or_detached", "detached"):
+            return finding
+        cut = self.reentrant_cut()
+        if not cut:
+            return finding
+        lines = ["Cause: " + reentrant_cause(cut) if l.startswith("Cause: ") else l for l in finding.message.split("\n")]
+        data = {**finding.data, "cause": "reentrant_checkpoint", "reentrant_checkpoint": cut}
+        return dataclasses.replace(finding, message="\n".join(lines), module=next(iter(cut)), data=data)
+
+    def reentrant_cut(self) -> dict[str, list[str]]:
+        """The ``torch.utils.checkpoint(..., use_reentrant=True)`` segments of the step's forward whose tensor
+        inputs all had requires_grad=False (module name), each with the trainable parameters inside it.
+
+        Such a segment returns an output without a graph (torch warns "None of the inputs have
+        requires_grad=True. Gradients will be None"), so its parameters get no gradient although they are
+        trainable: LoRA adapters behind a frozen embedding (peft#137, transformers#23170). Read by replaying
+        the step's last forward with the checkpoint calls recorded: on the ``no_grad_graph`` error path and
+        the first ``none_grad`` report only. Plain loop only; empty when no such segment ran.
+        """
+        cp = sys.modules.get("torch.utils.checkpoint")
+        cls = getattr(cp, "CheckpointFunction", None)
+        if self.integration != "plain" or self.model is None or not self._calls or cls is None:
+            return {}
+        seen: list[Any] = []
+        own = cls.__dict__.get("apply")
+        original = cls.apply
+
+        def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+            if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                seen.append(function)
+            return original(function, preserve_rng_state, *args)
+
+        call = self._calls[-1]
+        model = self._replay_model()
+        self._replaying = True
+        cls.apply = staticmethod(apply)
+        try:
+            with _preserved(model), warnings.catch_warnings(), torch.enable_grad(), _autocast(call.autocast):
+                warnings.simplefilter("ignore")  # torch's own "Gradients will be None", once more
+                args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
+                _set_rng_state(call.rng)
+                model(*args, **kwargs)
+        finally:
+            self._replaying = False
+            if own is None:
+                del cls.apply
+            else:
+                cls.apply = own
+        names = self.engine.index.module_name
+        out: dict[str, list[str]] = {}
+        for fn in seen:
+            module = _segment_module(fn)
+            if module is None or id(module) not in names:
+                continue  # a function of no module of the model: which parameters it trains is not known
+            # A frozen segment (no trainable parameter inside) checkpointed this way loses nothing.
+            inside = [n for p in module.parameters() if p.requires_grad and (n := self.engine.index.name_of(p))]
+            if inside:
+                out[names[id(module)] or "<root>"] = inside
+        return out
+
     def _upstream_state(self, call: _Call | None = None) -> tuple[bool, bool]:
         """(non-finite, available) for the gradient that reached the model's outputs.
 
@@ -923,6 +1047,9 @@ class Escalation:
                 finally:
                     loc.stop_forward()
                 leaves = list(enumerate(_output_leaves(output)))
+                output_ok = _all_finite(
+                    [t.detach() for _i, t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+                )
                 outs = [(i, t) for i, t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 loc.hook_graph([t for _i, t in outs])
                 use_real = available and not upstream_bad
@@ -947,7 +1074,7 @@ class Escalation:
             result = loc.resolve()
         finally:
             loc.close()
-        return _Result(
+        out = _Result(
             result,
             replayed=True,
             surrogate=surrogate,
@@ -955,6 +1082,8 @@ class Escalation:
             anomaly_error=anomaly_error,
             anomaly_traceback=traceback,
         )
+        out.output_ok = output_ok
+        return out
 
     def _replay_lightning(self, src: _Batch) -> _Result:
         pl_module = src.pl_module
@@ -1094,6 +1223,8 @@ class _Result:
         self.loss_nonfinite = False
         #: The replayed call ran under autocast in float16.
         self.half = False
+        #: Plain loop: a device flag, whether the forward's output was all finite (None: not known).
+        self.output_ok: torch.Tensor | None = None
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -1190,6 +1321,52 @@ def _checkpoint_not_reentrant() -> Iterator[None]:
             del cls.apply
         else:
             cls.apply = own
+
+
+def _segment_module(fn: Any) -> nn.Module | None:
+    """The module a checkpointed function runs: the module itself, its bound ``forward``/``__call__``,
+    a ``functools.partial`` of those (HF's ``_gradient_checkpointing_func(layer.__call__, ...)``) or a
+    closure over it (older HF's ``create_custom_forward(module)``)."""
+    for _ in range(4):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            break
+    if isinstance(fn, nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return owner
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, nn.Module):
+            return value
+    return None
+
+
+def reentrant_cause(cut: dict[str, list[str]]) -> str:
+    """The cause and fix for trainable parameters inside reentrant checkpoint segments fed inputs without
+    grad (``cut``: module name -> its trainable parameters, see :meth:`Escalation.reentrant_cut`)."""
+    segments = list(cut)
+    params = [n for names in cut.values() for n in names]
+    where = names_text([f"`{s}`" for s in segments])
+    one = len(segments) == 1
+    inside = f" ({names_text(params)})" if params else ""
+    return (
+        f"torch.utils.checkpoint(..., use_reentrant=True) ran {where} on "
+        f"{'an input that does' if one else 'inputs that do'} not require grad (what runs before "
+        f"{'it' if one else 'the first'} is frozen, e.g. the embedding of a LoRA/adapter fine-tune): a reentrant "
+        "checkpoint then returns an output without a graph (torch's warning: \"None of the inputs have "
+        f"requires_grad=True. Gradients will be None\"), so the trainable parameters inside {'it' if one else 'them'}"
+        f"{inside} get no gradient. They are not frozen. Fix: checkpoint with use_reentrant=False "
+        "(`checkpoint(fn, x, use_reentrant=False)`; Hugging Face: "
+        "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})`), or "
+        "call `model.enable_input_require_grads()` (Hugging Face/PEFT), or make the checkpoint's input require "
+        "grad (`x.requires_grad_(True)` on the frozen part's output)."
+    )
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -1392,8 +1569,32 @@ def layer_table(stats: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str] | None = None) -> Finding:
+def _absorbs_mask(op: str) -> bool:
+    """Whether ``op`` is where an additive attention mask's -inf is meant to go (a NaN there is a fully
+    masked row, not bad data): softmax, log-softmax, logsumexp, scaled_dot_product_attention."""
+    base = _op_base(op).lower()
+    return any(k in base for k in ("softmax", "logsumexp", "scaled_dot_product", "scaleddotproduct", "attention"))
+
+
+def _input_finding(
+    step: int, bad: list[tuple[str, int, int]], buffers: list[str] | None = None, through: _Result | None = None
+) -> Finding:
     parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in bad]
+    minus_inf = ""
+    if through is not None:
+        site = through.loc.first_module  # the first module whose output it made non-finite
+        origin = through.loc.origin
+        if site is None and origin is not None:
+            site = f"op {origin.op}" + (f" in module {origin.module}" if origin.module else "")
+        elif site is not None:
+            site = f"module {site}"
+        minus_inf = (
+            " It holds -inf and no NaN or +Inf, which would pass for an additive attention mask, but the forward "
+            "does not absorb it as a mask is (softmax, masked_fill): it reaches the model's output as NaN/Inf"
+            + (f" (first through {site})" if site else "")
+            + ". A -inf feature is usually log of 0: log of a zero count, price or probability (use "
+            "torch.log1p(x), or x.clamp_min(1e-8).log())."
+        )
     stale = ""
     if buffers:
         stale = (
@@ -1408,7 +1609,7 @@ def _input_finding(step: int, bad: list[tuple[str, int, int]], buffers: list[str
         message=(
             f"The inputs of step {step} already hold non-finite values before the model ran: "
             f"{', '.join(parts[:8])}{' and more' if len(parts) > 8 else ''}. The data, not the model, is the "
-            "cause.\nFix: find where the batch is built (missing values in the dataset, a normalization by "
+            "cause." + minus_inf + "\nFix: find where the batch is built (missing values in the dataset, a normalization by "
             "a zero std, a broken augmentation); filter or impute bad samples, and assert "
             "torch.isfinite(x).all() in the data pipeline while debugging." + stale
         ),

@@ -1158,3 +1158,138 @@ def test_escalation_window_through_a_reentrant_checkpoint_leaves_training_unchan
     for a, b in zip(watched.state_dict().values(), bare.state_dict().values()):
         assert torch.equal(a, b)
     assert "apply" not in CheckpointFunction.__dict__  # the swap is undone
+
+
+class _LoRALinear(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(4, d) * 0.01)
+        self.B = nn.Parameter(torch.zeros(d, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+class _LoRALM(nn.Module):
+    """Frozen embedding and base weights, LoRA adapters inside checkpointed blocks."""
+
+    def __init__(self, reentrant: bool, head_trainable: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb = nn.Embedding(40, 16).requires_grad_(False)
+        self.layers = nn.ModuleList(_LoRALinear(16) for _ in range(2))
+        self.head = nn.Linear(16, 40).requires_grad_(head_trainable)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(tok)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _lora_run(reentrant: bool, head_trainable: bool) -> tuple[gradwatch.Watcher, BaseException | None]:
+    torch.manual_seed(0)
+    model = _LoRALM(reentrant, head_trainable)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "None of the inputs have requires_grad=True"
+        try:
+            with gradwatch.watch(model, opt, console=False) as gw:
+                for _ in range(3):
+                    tok = torch.randint(0, 40, (4, 9))
+                    loss = nn.functional.cross_entropy(model(tok[:, :-1]).reshape(-1, 40), tok[:, 1:].reshape(-1))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        except RuntimeError as exc:
+            raised = exc
+    return gw, raised
+
+
+# huggingface/peft#137, transformers#23170: LoRA with gradient checkpointing (use_reentrant=True) and a frozen
+# embedding; gradwatch said "the layers the loss goes through are frozen... Unfreeze the layers".
+def test_no_graph_through_reentrant_checkpoint_with_frozen_input_names_the_checkpoint() -> None:
+    gw, raised = _lora_run(reentrant=True, head_trainable=False)
+    assert raised is not None and "does not require grad" in str(raised)
+    (f,) = gw.findings
+    assert f.kind == "no_grad_graph" and f.data["cause"] == "reentrant_checkpoint", f.message
+    assert set(f.data["reentrant_checkpoint"]) == {"layers.0", "layers.1"}
+    assert "use_reentrant=False" in f.message and "enable_input_require_grads" in f.message
+    assert "Unfreeze" not in f.message
+    from torch.utils.checkpoint import CheckpointFunction
+
+    assert "apply" not in CheckpointFunction.__dict__  # the recording swap is undone
+
+
+def test_none_grad_inside_reentrant_checkpoint_with_frozen_input_names_the_checkpoint() -> None:
+    gw, raised = _lora_run(reentrant=True, head_trainable=True)
+    assert raised is None
+    (f,) = gw.findings
+    assert f.kind == "none_grad" and set(f.params) == {f"layers.{i}.{n}" for i in (0, 1) for n in "AB"}
+    assert f.data["reentrant_checkpoint"] and "use_reentrant=False" in f.message, f.message
+    assert "Fix: use them in forward" not in f.message
+
+
+@pytest.mark.parametrize("head_trainable", [False, True])
+def test_lora_under_non_reentrant_checkpoint_is_silent(head_trainable: bool) -> None:
+    gw, raised = _lora_run(reentrant=False, head_trainable=head_trainable)
+    assert raised is None and gw.findings == []
+
+
+def test_frozen_segments_in_reentrant_checkpoint_keep_the_frozen_explanation() -> None:
+    torch.manual_seed(0)
+    model = _LoRALM(True, False)
+    for layer in model.layers:
+        layer.requires_grad_(False)
+    extra = nn.Linear(16, 16)  # trainable, but not on the loss path
+    model.extra = extra
+    opt = torch.optim.AdamW(extra.parameters(), lr=1e-3)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError):
+        warnings.simplefilter("ignore")
+        with gradwatch.watch(model, opt, console=False) as gw:
+            tok = torch.randint(0, 40, (4, 9))
+            loss = nn.functional.cross_entropy(model(tok[:, :-1]).reshape(-1, 40), tok[:, 1:].reshape(-1))
+            loss.backward()
+    (f,) = gw.findings
+    assert f.kind == "no_grad_graph" and f.data["cause"] != "reentrant_checkpoint", f.message
+
+
+class _L2Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.proj(x))
+        return h / h.norm(dim=1, keepdim=True)  # 0 / 0 for an all-zero row; relu stops its gradient
+
+
+# A hand-written L2 normalization of a zero vector: nan_origin named the Div, while the bundled
+# nonfinite_loss said "the NaN/Inf is in the loss value only... a mean over zero elements, 0*log(0)".
+def test_nonfinite_loss_with_finite_gradients_defers_to_the_origin_named(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU(), _L2Head())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    protos = nn.functional.normalize(torch.randn(3, 4), dim=1)
+    with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
+        for step in range(4):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            if step == 2:
+                x[3] = 0.0
+            loss = nn.functional.cross_entropy(model(x) @ protos.t(), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    at2 = [f for f in gw.findings if f.step == 2]
+    assert [f.kind for f in at2] == ["nonfinite_loss", "nan_origin"], [f.kind for f in at2]
+    loss_f, origin = at2
+    assert origin.op == "DivBackward0" and loss_f.data["grads_finite"]
+    assert "DivBackward0" in loss_f.message and "mean over zero elements" not in loss_f.message
+    assert "restates" not in loss_f.data and "clamp_min" in loss_f.message
+    report = open(origin.data["report"]).read()
+    assert "mean over zero elements" not in report

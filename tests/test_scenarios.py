@@ -1853,3 +1853,131 @@ def test_an_attention_bias_with_minus_inf_padding_is_not_bad_data() -> None:
     assert not any(f.kind == "nonfinite_input" for f in gw.findings)
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert origin.step == 2 and "born in the loss computation" in origin.message  # the mask's -inf is absorbed
+
+
+class _CountNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+# Log-transformed count features with a zero count (log(0) = -inf; log1p meant): the -inf-only input was
+# taken for an attention mask, and a Linear of the model was blamed ("lower the learning rate, clip").
+@pytest.mark.parametrize("window", [False, True])
+def test_a_minus_inf_feature_that_no_mask_op_absorbs_is_bad_data(window: bool) -> None:
+    model = _CountNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    bad = (3, 5) if window else (3,)  # 5: inside the escalation window opened at step 3
+    with watch(model, opt, on_nonfinite="skip") as gw:
+        for step in range(7):
+            counts = torch.randint(1, 50, (16, 5), generator=g).float()
+            if step in bad:
+                counts[7, 2] = 0
+            loss = F.mse_loss(model(torch.log(counts)), counts.sum(1, keepdim=True).log1p())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = of(gw.findings, "nonfinite_input")
+    assert [f.step for f in found] == list(bad), show(gw.findings)
+    assert "log1p" in found[0].message and "module mlp.0" in found[0].message, found[0].message
+    assert not of(gw.findings, "nan_origin"), show(gw.findings)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_fully_masked_row_of_an_additive_mask_input_is_the_softmax_not_bad_data() -> None:
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q, self.k, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            a = (self.q(x) @ self.k(x).transpose(1, 2) + mask).softmax(-1)
+            return self.out(a @ x).mean(1)
+
+    model = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt) as gw:
+        for step in range(3):
+            x, y = torch.randn(8, 5, 4), torch.randint(0, 3, (8,))
+            lens = torch.randint(2, 6, (8,))
+            if step == 2:
+                lens[1] = 0  # an empty sequence: every key of its rows masked
+            mask = torch.zeros(8, 5, 5).masked_fill((torch.arange(5)[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+            loss = F.cross_entropy(model(x, mask), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not of(gw.findings, "nonfinite_input"), show(gw.findings)
+    origin = of(gw.findings, "nan_origin")
+    assert origin and origin[0].step == 2 and "Softmax" in origin[0].op, show(gw.findings)
+
+
+# model.half() with mse_loss on targets in natural units (prices of a few hundred): the squared error
+# overflows float16's 65504 while the gradients stay finite; gradwatch blamed a mean over zero elements.
+def test_a_float16_loss_that_overflows_says_float16_and_to_compute_the_loss_in_float32() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(3)
+    with watch(model, opt, on_nonfinite="skip") as gw:
+        for step in range(8):
+            x = torch.randn(16, 5, generator=g).half()
+            y = (torch.rand(16, 1, generator=g) * (400 if step == 5 else 100)).half()
+            loss = F.mse_loss(model(x), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = of(gw.findings, "nonfinite_loss")
+    assert f.step == 5 and f.data["float16_overflow"], show(gw.findings)
+    assert "65504" in f.message and "out.float()" in f.message and "mean over zero" not in f.message
+
+
+# A learning-rate typo (SGD lr=2 on unnormalized features): a finite gradient 2e7x the weights' norm is
+# applied at step 1 with only an exploding_grad warning leading with clipping; the weights overflow later and
+# the nonfinite findings and too_many_skips said "see the first nonfinite finding" with no link back to it.
+def test_nonfinite_steps_after_an_applied_explosion_name_it_and_a_typo_lr_leads_the_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(GradWatchError), watch(model, opt, on_nonfinite="skip", max_skips=3) as gw:
+        for _ in range(30):
+            x = torch.rand(32, 4, generator=g) * 10
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (boom,) = of(gw.findings, "exploding_grad")
+    assert boom.data["huge_lr"] == 2.0 and "Fix: lower the learning rate first: lr=2 (SGD)" in boom.message
+    bad = of(gw.findings, "nonfinite_grad")
+    assert bad and all(f.data["after_exploding"] for f in bad), show(gw.findings)
+    assert f"exploding gradient of step {boom.step}" in bad[0].message
+    (stop,) = of(gw.findings, "too_many_skips")
+    assert stop.data["after_exploding"] == boom.step and f"step {boom.step}" in stop.message
+
+
+def test_a_usual_learning_rate_does_not_lead_the_exploding_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.RNN(2, 32, nonlinearity="relu", batch_first=True)
+    with torch.no_grad():
+        model.weight_hh_l0.copy_(torch.eye(32) * 1.2)  # an IRNN init gone wrong: the gradient explodes
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with watch(model, opt, on_nonfinite="skip", max_skips=None) as gw:
+        for _ in range(3):
+            x = torch.rand(16, 100, 2, generator=g)
+            loss = model(x)[0][:, -1].pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    boom = of(gw.findings, "exploding_grad")
+    assert boom and "huge_lr" not in boom[0].data and "Fix: clip gradients" in boom[0].message, show(gw.findings)
+    assert all(f.data["after_exploding"] for f in of(gw.findings, "nonfinite_grad") if f.step > boom[0].step)

@@ -91,6 +91,18 @@ FALL = 2.0
 _PENDING = "exploding/pending"
 #: Notes for remember: the weights' norms measured on this suspicious step, or a measurement wanted next step.
 _NOW = "exploding/param_norms"
+#: The latest exploding update that was applied (not an overflow, which is skipped) with a gradient at least
+#: exploding_ratio x the weights' norm or a learning rate far too high: ``{"step", "factor", "of",
+#: "optimizer", "lr"}``. The non-finite steps that follow it within APPLIED_WINDOW steps name it as
+#: their likely cause (weights thrown out of range), and so does ``too_many_skips``.
+APPLIED = "exploding/applied"
+APPLIED_WINDOW = 50
+#: A learning rate this large (non-adaptive optimizers: SGD and the like; adaptive: Adam, RMSprop...) is far
+#: outside the usual range: an explosion in the first FIRST_STEPS steps is then first the learning rate's.
+HUGE_LR = 1.0
+HUGE_ADAPTIVE_LR = 0.05
+FIRST_STEPS = 20
+_ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 _WANT = "exploding/want_param_norms"
 
 
@@ -288,6 +300,38 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
 
 
+def after_explosion(stats: StepStats, history: History) -> str:
+    """For a non-finite step: the sentence naming the exploding update applied at most APPLIED_WINDOW steps
+    before it as its likely cause (or "")."""
+    applied = history.memory.get(APPLIED)
+    if not applied or applied["optimizer"] != stats.optimizer_index:
+        return ""
+    if not 0 < stats.step - applied["step"] <= APPLIED_WINDOW:
+        return ""
+    size = f", {applied['factor']:.3g}x {applied['of']}" if applied.get("factor") else ""
+    lr = f" with lr={applied['lr']:g}" if applied.get("lr") is not None else ""
+    return (
+        f"Likely cause: the exploding gradient of step {applied['step']} (exploding_grad{size}) was applied{lr} "
+        "and threw the weights out of range, so later forward passes overflow: lower the learning rate "
+        "(10x at a time) and clip gradients (torch.nn.utils.clip_grad_norm_) before the update."
+    )
+
+
+def huge_lr(stats: StepStats) -> float | None:
+    """The step's optimizer's largest learning rate when it is far outside the usual range (a typo such as
+    lr=2 for SGD or lr=0.3 for Adam), else None."""
+    opt = stats.extra.get("optimizer")
+    groups = getattr(opt, "param_groups", None) or ()
+    try:
+        lr = max(float(g.get("lr", 0.0)) for g in groups) if groups else None
+    except (TypeError, ValueError):
+        return None  # a tensor or scheduler-managed lr of an odd type
+    if lr is None:
+        return None
+    adaptive = type(opt).__name__ in _ADAPTIVE
+    return lr if lr >= (HUGE_ADAPTIVE_LR if adaptive else HUGE_LR) else None
+
+
 def _within_range(facts: dict[str, Any], history: History) -> bool:
     """True for a norm at most RANGE_FACTOR x the largest of the run's start or of the recent window (only
     asked about a step that already clears the spike thresholds)."""
@@ -301,6 +345,9 @@ def _within_range(facts: dict[str, Any], history: History) -> bool:
 
 def remember(stats: StepStats, history: History) -> None:
     remember_param_norms(stats, history, stats.extra.get(_NOW))
+    applied = stats.extra.get(APPLIED)
+    if applied is not None:
+        history.memory[APPLIED] = applied
     if stats.extra.get(_WANT):
         history.memory.setdefault(WANT_PARAM_NORMS, set()).add(stats.optimizer_index)
     facts = _measure(stats, history)
@@ -411,6 +458,23 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
         }[config.on_nonfinite]
     # Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping.
     clipped = None if "overflow" in reasons else clipping_in_place(stats, this_step=since is None)
+    lr = huge_lr(stats) if stats.step < FIRST_STEPS else None
+    if "overflow" not in reasons and clipped is None:
+        ratio = "ratio" in reasons and facts.get("param_total")
+        factor, of = (total / facts["param_total"], "the weights' norm") if ratio else (
+            (total / facts["median"], "its median") if facts.get("median") else (None, None)
+        )
+        if ratio or lr is not None:  # not a transient spike of a healthy run: the weights are thrown off
+            stats.extra[APPLIED] = {"step": stats.step, "factor": factor, "of": of,
+                                    "optimizer": stats.optimizer_index, "lr": lr}
+    lead = ""
+    if lr is not None:
+        # In the first steps, with a learning rate far outside the usual range: the typo comes first.
+        lead = (
+            f"lower the learning rate first: lr={lr:g} ({type(stats.extra.get('optimizer')).__name__}) is far "
+            "above the usual range (SGD ~1e-3 to 1e-1, Adam ~1e-5 to 1e-3; a typo such as 2 for 2e-2?), and an "
+            "update of lr times this gradient throws the weights out of range in the first steps; then "
+        )
     if clipped is not None:
         why = (
             f"Why it matters: {clipped}, so {_UNLESS.get(stats.extra['clipping']['how'], '')}the weights did "
@@ -421,8 +485,8 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             "cause until the loss diverges.\n"
         )
         fix = (
-            "Fix: clipping is in place (keep it); lower the learning rate or lengthen its warm-up, and check "
-            "this step's batch for outliers (its loss, labels and inputs)"
+            f"Fix: clipping is in place (keep it); {lead or 'lower the learning rate or lengthen its warm-up, and '}"
+            "check this step's batch for outliers (its loss, labels and inputs)"
         )
     else:
         why = (
@@ -430,8 +494,8 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             "jumps or diverges, and Adam's moment estimates stay polluted for many steps.\n"
         )
         fix = (
-            f"Fix: clip gradients ({clip_advice(stats)}), lower the learning rate or lengthen its warm-up, and "
-            "check the batch for outliers"
+            f"Fix: {lead}clip gradients ({clip_advice(stats)}), lower the learning rate or lengthen its warm-up, "
+            "and check the batch for outliers"
         )
     message = (
         f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n" + why + fix
@@ -455,6 +519,7 @@ def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config
             "overflow": list(facts["overflow"]),
             "table": [{"layer": k, "grad_norm": v} for k, v in top],
             **({"since": since["step"]} if since is not None else {}),
+            **({"huge_lr": lr} if lr is not None else {}),
         },
     )
 

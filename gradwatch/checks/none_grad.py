@@ -100,6 +100,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         if since is not None
         else f"at step {stats.step}"
     )
+    # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
+    replay = stats.extra.get("reentrant_cut")
+    cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
+    cut = {m: names for m, names in cut.items() if names}
+    if cut:
+        from gradwatch.escalation import reentrant_cause
+
+        cause = "Likely cause here: " + reentrant_cause(cut) + "\n"
     return [
         Finding(
             kind="none_grad",
@@ -115,10 +123,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "these are used on some steps only, e.g. an auxiliary head of some batches, ignore this; "
                 f"members of a ModuleList/ModuleDict (experts, LayerDrop layers, task heads) get {MEMBER_GRACE} "
                 f"checked steps, or {PER_MEMBER} per member, and so does every parameter under "
-                "DistributedDataParallel(find_unused_parameters=True).)\n"
-                "Fix: use them in forward on the path to the loss (check for a branch that is never taken "
-                "or an output that is detached or dropped), or freeze them with requires_grad_(False), "
-                "or leave them out of the optimizer."
+                "DistributedDataParallel(find_unused_parameters=True).)"
+                + (
+                    ""  # the reentrant checkpoint's cause carries its fix
+                    if cut
+                    else "\nFix: use them in forward on the path to the loss (check for a branch that is never "
+                    "taken or an output that is detached or dropped), or freeze them with requires_grad_(False), "
+                    "or leave them out of the optimizer."
+                )
             ),
             params=fresh,
             module=modules[0] if len(modules) == 1 else None,
@@ -128,6 +140,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "none_grad_now": len(stats.none_grad),
                 "optimizer": stats.optimizer_index,
                 "cleared_between_backwards": cleared,
+                "reentrant_checkpoint": cut,
             },
         )
     ]

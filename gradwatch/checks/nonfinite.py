@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from gradwatch.checks.exploding import after_explosion
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
@@ -14,6 +16,32 @@ _ACTION = {
     "warn": "on_nonfinite='warn': the update was applied, so the weights are now poisoned.",
     "raise": "on_nonfinite='raise': training stops before the update.",
 }
+
+
+#: The cause of a non-finite loss with finite gradients, until an op is named (see ``defer_to_origin``).
+_LOSS_ONLY = (
+    "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual causes: a mean over "
+    "zero elements (every target equal to ignore_index, an empty mask or selection: 0/0), 0 * log(0) in an "
+    "entropy or KL term written by hand (p * p.log() with a zero probability: 0 * -inf), or a NaN/Inf constant "
+    "added to the loss."
+)
+
+
+def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> Finding | None:
+    """``finding`` (a ``nonfinite_loss`` with finite gradients) restated once the step's ``nan_origin`` named
+    the op: its list of usual causes would contradict it. None for any other finding (left as it is)."""
+    first, _, rest = finding.message.partition("\n")
+    if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or _LOSS_ONLY not in first:
+        return None
+    head, action = first.split(_LOSS_ONLY, 1)
+    where = f"op {op}" + (f" in module {module}" if module else "")
+    message = (
+        f"{head}NaN/Inf was born at {where} (the nan_origin finding of this step), and its gradient was "
+        "stopped on the way back to the weights (a ReLU at 0, a mask or a detached branch zeroes it), so it "
+        f"shows in the loss value only.{action}\nFix: {fix}"
+    )
+    data = {**finding.data, "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
+    return dataclasses.replace(finding, message=message, data=data)
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -55,16 +83,26 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                       "no_update": True},
             )
         )
+    cause = after_explosion(stats, history) if stats.loss_nonfinite or stats.nonfinite else ""
     if stats.loss_nonfinite:
         grads_finite = bool(stats.names) and not stats.nonfinite and not stats.overflow_norm
-        if grads_finite:
+        half = stats.extra.get("loss_dtype") == "float16"
+        if half and not (stats.loss is not None and math.isnan(stats.loss)):
+            # Computed in float16, whose largest value is 65504: a squared error above 256 (mse_loss on targets
+            # in natural units), a sum over a large batch or an exp above 11 overflows to Inf.
+            message = (
+                f"The loss is {_fmt(stats.loss)} at step {stats.step} and was computed in float16 "
+                "(model.half(), precision=\"16-true\"), whose largest value is 65504: it overflowed "
+                "float16 (a squared error above 256, a sum over many elements, exp above 11)"
+                + (", although every gradient is finite" if grads_finite else "")
+                + f". {action}\nFix: compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
+                "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
+                "normalizing the targets (and inputs) keeps the values in range too."
+            )
+        elif grads_finite:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
-                "NaN/Inf is in the loss value only, in a part whose gradient does not carry it. Usual "
-                "causes: a mean over zero elements (every target equal to ignore_index, an empty mask or "
-                "selection: 0/0), 0 * log(0) in an entropy or KL term written by hand (p * p.log() with a "
-                "zero probability: 0 * -inf), or a NaN/Inf constant added to the loss. "
-                f"{action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
+                f"{_LOSS_ONLY} {action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
                 "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
                 "log-probabilities; check the terms added to the loss for NaN/Inf."
             )
@@ -72,7 +110,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             message = (
                 f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes the "
                 f"gradients of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
-                f"{action}\nFix: look for log/sqrt/division of zero or negative values in the loss, "
+                f"{action}\n{cause + chr(10) if cause else ''}Fix: look for log/sqrt/division of zero or negative values in the loss, "
                 "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
                 "learning rate, or check the batch for NaN/Inf."
             )
@@ -82,7 +120,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 step=stats.step,
                 severity="error",
                 message=message,
-                data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite},
+                data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite,
+                      "after_exploding": bool(cause),
+                      "float16_overflow": half and not (stats.loss is not None and math.isnan(stats.loss))},
             )
         )
     if stats.nonfinite:
@@ -115,7 +155,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     f"{stats.step} ({counts}): {names_text(stats.nonfinite)}. "
                     f"{action}\nWhy it matters: one NaN gradient poisons the weights and the optimizer's "
                     "moments for good, and clip_grad_norm_ spreads it to every parameter.\n"
-                    "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
+                    + (cause + "\n" if cause else "")
+                    + "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
                     "causes are log/sqrt/pow at 0 or below, division by a zero norm, exp overflow, or too "
                     "high a learning rate."
                 ),
@@ -126,6 +167,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "inf_counts": dict(stats.inf_counts),
                     "modules": modules,
                     "optimizer": stats.optimizer_index,
+                    "after_exploding": bool(cause),
                     "table": rows,
                 },
             )
