@@ -508,7 +508,7 @@ class Escalation:
             # A float16 loss that goes Inf has overflowed 65504 (squared errors above 256): nonfinite_loss says so.
             self._half_loss = False
             ctx.stats.extra["loss_dtype"] = "float16"
-        if ctx.stats.none_grad and self.active:
+        if ctx.stats.none_grad and self.active and _reentrant_no_grad_warned():
             ctx.stats.extra["reentrant_cut"] = self.reentrant_cut  # called by none_grad when it reports only
         passes = ctx.stats.extra.get("backward_passes")
         if isinstance(passes, tuple) and passes[0] >= 3 and self.active:  # only asked about then
@@ -1321,6 +1321,21 @@ def _checkpoint_not_reentrant() -> Iterator[None]:
             del cls.apply
         else:
             cls.apply = own
+
+
+def _reentrant_no_grad_warned() -> bool:
+    """Whether torch's reentrant checkpoint has warned "None of the inputs have requires_grad=True" in this
+    process (its module's warning registry): a ``none_grad`` report replays the step's forward to look for such
+    segments only then. A replay on a healthy run moves Python-side state of the model (an attribute a forward
+    sets) once more: no replay for the usual unused head."""
+    cp = sys.modules.get("torch.utils.checkpoint")
+    registry = getattr(cp, "__warningregistry__", None)
+    if not isinstance(registry, dict):
+        return False
+    return any(
+        isinstance(k, tuple) and k and isinstance(k[0], str) and k[0].startswith("None of the inputs have requires_grad")
+        for k in registry
+    )
 
 
 def _segment_module(fn: Any) -> nn.Module | None:
