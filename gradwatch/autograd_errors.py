@@ -739,17 +739,8 @@ def _inplace_traced(
         ),
         f"Where: {op} ran in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
     ]
-    culprit = None
-    culprit_source = None
-    if mods:
-        culprit = mods[0]
-        culprit_source = _with_line(culprit.source)
-        lines.append(
-            f"Modified by: {culprit.op} in module {ctx.display_module(culprit.module) or '<outside the model>'}"
-            + (f" at {culprit_source}" if culprit_source else "")
-            + (f" (and {len(mods) - 1} more in-place op(s))" if len(mods) > 1 else "")
-            + "."
-        )
+    culprit = mods[0] if mods else None
+    culprit_source = _modified_by(ctx, mods, lines)
     data.update(
         module_exact=True,
         source=source,
@@ -758,6 +749,21 @@ def _inplace_traced(
         modified_at=culprit_source,
     )
     return _inplace_finding(ctx, lines, module, op, data)
+
+
+def _modified_by(ctx: _Context, writes: list[InplaceRecord], lines: list[str]) -> str | None:
+    """Append the "Modified by" line for the first of the traced in-place ``writes`` (if any); its source."""
+    if not writes:
+        return None
+    first = writes[0]
+    source = _with_line(first.source)
+    lines.append(
+        f"Modified by: {first.op} in module {ctx.display_module(first.module) or '<outside the model>'}"
+        + (f" at {source}" if source else "")
+        + (f" (and {len(writes) - 1} more in-place op(s))" if len(writes) > 1 else "")
+        + "."
+    )
+    return source
 
 
 def _traced_view(
@@ -798,14 +804,7 @@ def _inplace_view_traced(
         f"Where: the view was taken in module {module or '<outside the model>'}" + (f" at {source}" if source else "") + ".",
     ]
     writer = writes[0] if writes else None
-    writer_source = _with_line(writer.source) if writer is not None else None
-    if writer is not None:
-        lines.append(
-            f"Modified by: {writer.op} in module {ctx.display_module(writer.module) or '<outside the model>'}"
-            + (f" at {writer_source}" if writer_source else "")
-            + (f" (and {len(writes) - 1} more in-place op(s))" if len(writes) > 1 else "")
-            + "."
-        )
+    writer_source = _modified_by(ctx, writes, lines)
     data.update(
         module_exact=True,
         source=source,
