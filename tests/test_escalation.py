@@ -1325,5 +1325,5 @@ def test_nonfinite_loss_with_finite_gradients_defers_to_the_origin_named(tmp_pat
     assert origin.op == "DivBackward0" and loss_f.data["grads_finite"]
     assert "DivBackward0" in loss_f.message and "mean over zero elements" not in loss_f.message
     assert "restates" not in loss_f.data and "clamp_min" in loss_f.message
-    report = open(origin.data["report"]).read()
-    assert "mean over zero elements" not in report
+    with open(origin.data["report"]) as fh:
+        assert "mean over zero elements" not in fh.read()

@@ -30,7 +30,7 @@ _LOSS_ONLY = (
 def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> Finding | None:
     """``finding`` (a ``nonfinite_loss`` with finite gradients) restated once the step's ``nan_origin`` named
     the op: its list of usual causes would contradict it. None for any other finding (left as it is)."""
-    first, _, rest = finding.message.partition("\n")
+    first = finding.message.partition("\n")[0]
     if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or _LOSS_ONLY not in first:
         return None
     head, action = first.split(_LOSS_ONLY, 1)
