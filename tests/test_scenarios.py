@@ -1353,6 +1353,29 @@ def test_every_target_ignored_is_a_nan_loss_with_finite_gradients_and_says_so() 
     assert "makes every gradient of this step NaN" not in found[0].message
 
 
+# pytorch/pytorch#96567-style report: cross_entropy(label_smoothing=0.1) over logits masked with -inf is Inf
+def test_inf_loss_with_finite_gradients_names_label_smoothing_over_masked_logits_not_a_mean_over_zero() -> None:
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    allowed = torch.tensor([True, False])
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            logits = torch.cat([model(x), -model(x)], dim=1)
+            if step == 3:
+                logits = logits.masked_fill(~allowed, float("-inf"))  # constrained classes, masked with -inf
+            loss = F.cross_entropy(logits, torch.zeros(len(x), dtype=torch.long), label_smoothing=0.1)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = of(gw.findings, "nonfinite_loss")
+    assert [f.step for f in found] == [3] and not of(gw.findings, "nonfinite_grad"), show(gw.findings)
+    assert found[0].data["grads_finite"] is True and math.isinf(found[0].data["loss"])
+    assert "label_smoothing" in found[0].message, found[0].message
+    # 0/0 and 0 * log(0) make NaN, never Inf: they are not offered as the cause of an Inf loss
+    assert "mean over zero elements" not in found[0].message and "xlogy" not in found[0].message
+
+
 class LogMaskPool(nn.Module):
     """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
 
