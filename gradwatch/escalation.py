@@ -591,6 +591,7 @@ class Escalation:
                         _poisoned_finding(
                             stats.step, poisoned, config.on_nonfinite, layers, buffers=False, every=config.every,
                             earlier=self.engine.kind_counts.get("nan_origin", 0) > 0,
+                            rows=self._embedding_rows(poisoned),
                         )
                     )
                 return out
@@ -798,6 +799,23 @@ class Escalation:
         with torch.no_grad():
             flags = [bool((~torch.isfinite(params[i][1])).any()) for i in suspects]
         return [params[i][0] for i, f in zip(suspects, flags) if f]
+
+    def _embedding_rows(self, names: list[str]) -> dict[str, tuple[list[int], int]]:
+        """For poisoned embedding tables, the rows holding NaN/Inf and the number of rows (incident path only).
+
+        A table with a few bad rows (new rows of a resized vocabulary left uninitialized) is non-finite only on
+        the batches that look those ids up: saying "every step" would contradict the run's finite steps."""
+        if self.model is None:
+            return {}
+        tables = {id(m.weight): m for m in self.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+        out: dict[str, tuple[list[int], int]] = {}
+        for name, p in self.engine.index.model_params:
+            if name in names and id(p) in tables and p.dim() == 2:
+                with torch.no_grad():
+                    bad = (~torch.isfinite(p)).any(dim=1).nonzero().flatten().tolist()
+                if bad and len(bad) < p.shape[0]:
+                    out[name] = (bad, p.shape[0])
+        return out
 
     # -- localization ------------------------------------------------------------------------------
     def _localize(self) -> _Result | None:
@@ -1663,7 +1681,7 @@ def _loop_input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
 
 def _poisoned_finding(
     step: int, names: list[str], policy: str, layers: list[dict[str, Any]], *, buffers: bool, every: int = 1,
-    earlier: bool = True,
+    earlier: bool = True, rows: dict[str, tuple[list[int], int]] | None = None,
 ) -> Finding:
     if buffers:
         what = f"Buffers of the model hold NaN/Inf at step {step}: {names_text(names)}"
@@ -1687,15 +1705,34 @@ def _poisoned_finding(
                 "between was applied unchecked (or they were loaded from a checkpoint or written outside the "
                 "optimizer); every step is non-finite from then on."
             )
+        elif rows and not earlier:
+            tables = "; ".join(
+                f"{n}: row{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:8]))}{' and more' if len(r) > 8 else ''}"
+                f" ({len(r)} of {total})"
+                for n, (r, total) in rows.items()
+            )
+            why = (
+                f"Only some rows of the embedding table hold them ({tables}): only batches that look up those "
+                "ids are non-finite, this one among them. They were non-finite before this step (rows added "
+                "to the vocabulary and left uninitialized, e.g. filled from torch.empty, a bad checkpoint "
+                "merge, or a write outside the optimizer)."
+            )
         else:
             why = (
                 "They became non-finite before this step (loaded from a checkpoint, written outside the "
-                "optimizer, or updated by an optimizer gradwatch does not watch), so every step is non-finite."
+                "optimizer, or updated by an optimizer gradwatch does not watch), so every step that reads "
+                "them is non-finite."
             )
         if earlier:
             fix = (
                 "Fix: see the first nan_origin finding of the run for the op and module where it began; use "
                 "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
+            )
+        elif rows:
+            fix = (
+                "Fix: re-initialize those rows (with torch.no_grad(): emb.weight[rows] = "
+                "emb.weight[ok_rows].mean(0), or normal_ with the table's std), or reload a checkpoint; check "
+                "what wrote them (resize_token_embeddings, a checkpoint merge)."
             )
         else:
             fix = (
@@ -1708,7 +1745,7 @@ def _poisoned_finding(
         kind="nan_origin",
         step=step,
         severity="error",
-        message=f"{what}. {why} The origin cannot be localized from this step.\n{fix}",
+        message=f"{what}. {why}{'' if rows else ' The origin cannot be localized from this step.'}\n{fix}",
         params=tuple(names),
         data={"phase": "buffers" if buffers else "weights", "params": names, "table": layers},
     )

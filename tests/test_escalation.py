@@ -802,6 +802,28 @@ def test_weights_poisoned_on_an_unchecked_step_say_so_and_suggest_checking_every
     assert "see the first nan_origin" not in origin.message  # there is none before it
 
 
+# HF transformers resize_token_embeddings reports: new vocabulary rows left uninitialized (NaN) in the table
+def test_embedding_table_with_a_nan_row_names_the_row_and_does_not_say_every_step_is_non_finite() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight[7] = float("nan")  # one row of the table, e.g. torch.empty after a resize
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(5):
+            ids = torch.randint(8, 20, (6, 4))
+            if step == 3:
+                ids[2, 1] = 7  # the only batch that looks the bad row up
+            opt.zero_grad()
+            model(ids).pow(2).mean().backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.data["phase"], origin.params) == (3, "weights", ("0.weight",))
+    assert "row 7 (1 of 20)" in origin.message and "re-initialize those rows" in origin.message, origin.message
+    assert "every step is non-finite" not in origin.message  # steps 0-2 were finite
+    assert gw.engine.steps_skipped == 1
+
+
 @dataclasses.dataclass
 class _Output:
     pred: torch.Tensor
