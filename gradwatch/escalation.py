@@ -1758,10 +1758,18 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "stay in log space (log_softmax, logsumexp, cross_entropy on logits).",
     ),
     (
-        ("Sqrt", "Rsqrt"),
+        ("Sqrt",),
         "the derivative of sqrt is infinite at 0 (and sqrt of a negative number is NaN): use "
         "torch.sqrt(x + 1e-8) or x.clamp_min(1e-8).sqrt(); for a norm, torch.linalg.vector_norm has a "
         "defined gradient at 0.",
+    ),
+    (
+        # rsqrt is Inf at 0 in the forward pass already (not only its derivative): a hand-written RMSNorm
+        # with eps=0 on an all-zero vector (a padding or masked position) gives 0 * inf = NaN.
+        ("Rsqrt",),
+        "rsqrt(0) = 1/sqrt(0) is Inf (and rsqrt of a negative number is NaN): put an epsilon inside, "
+        "torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) with eps > 0 (an RMSNorm with eps=0 divides by "
+        "zero on an all-zero vector: a padding or masked position), or x.clamp_min(1e-8).rsqrt().",
     ),
     (
         ("Div", "Reciprocal", "Remainder", "Fmod"),

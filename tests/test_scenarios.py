@@ -1376,6 +1376,39 @@ def test_inf_loss_with_finite_gradients_names_label_smoothing_over_masked_logits
     assert "mean over zero elements" not in found[0].message and "xlogy" not in found[0].message
 
 
+class ZeroEpsRMSNorm(nn.Module):
+    """A LLaMA-port RMSNorm with eps=0 (rms_norm_eps left at 0): rsqrt(0) is Inf on an all-zero vector."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight
+
+
+# HF transformers / LLaMA ports: RMSNorm with rms_norm_eps=0 goes NaN on a zero (padding) hidden vector
+def test_rmsnorm_without_eps_on_a_zero_vector_names_rsqrt_at_zero_not_the_derivative_of_sqrt() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 16, padding_idx=0), ZeroEpsRMSNorm(16), nn.Linear(16, 30))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(model, opt) as gw:
+        for step in range(5):
+            x = torch.randint(1, 30, (4, 8))
+            y = torch.randint(1, 30, (4, 8))
+            if step == 3:
+                x[0, 6:], y[0, 6:] = 0, -100  # padding: a zero embedding row
+            loss = F.cross_entropy(model(x).reshape(-1, 30), y.reshape(-1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = of(gw.findings, "nan_origin")
+    assert (origin.step, origin.module, origin.op) == (3, "1", "RsqrtBackward0"), show(gw.findings)
+    assert "rsqrt(0)" in origin.message and "eps > 0" in origin.message, origin.message
+    assert "derivative of sqrt" not in origin.message  # the forward value is Inf already
+
+
 class LogMaskPool(nn.Module):
     """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
 
