@@ -1751,6 +1751,18 @@ def _poisoned_finding(
     )
 
 
+#: The two ways softmax / log_softmax go NaN on finite-or-infinite logits: which one a forward-phase origin
+#: is, its inputs' range tells (see _origin_finding); without them (the loss code's backward) both are given.
+_MASKED_ROW = (
+    "a fully masked row (every logit -inf) makes softmax NaN: keep one position unmasked, or mask with "
+    "torch.finfo(x.dtype).min instead of -inf."
+)
+_PLUS_INF_LOGIT = (
+    "a logit of +inf makes softmax NaN too (inf - inf): logits divided by a temperature or scale of 0 "
+    "(clamp it: tau.clamp_min(1e-2)), or a logit that overflowed (compute it in float32, lower the "
+    "learning rate)."
+)
+
 _FIXES: list[tuple[tuple[str, ...], str]] = [
     (
         ("Log", "Log2", "Log10", "Log1p", "Xlogy", "Lgamma", "Digamma"),
@@ -1792,8 +1804,7 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
     ),
     (
         ("Softmax", "LogSoftmax"),
-        "a fully masked row (every logit -inf) makes softmax NaN: keep one position unmasked, or mask with "
-        "torch.finfo(x.dtype).min instead of -inf.",
+        _MASKED_ROW + " " + _PLUS_INF_LOGIT[:1].upper() + _PLUS_INF_LOGIT[1:],
     ),
     (
         ("Std", "Var", "StdMean", "VarMean"),
@@ -2102,6 +2113,10 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "weights grew, clip gradients, and compute the loss in float32."
             + ("" if fix is _GENERIC_FIX else " " + fix[:1].upper() + fix[1:])
         )
+    if origin.phase == "forward" and _op_base(origin.op or "") in ("Softmax", "LogSoftmax") and inc.get("inf"):
+        # Its inputs' range tells a +inf logit (a temperature of 0) from a fully masked row (-inf only).
+        plus = inc.get("max") is not None and inc["max"] == math.inf
+        fix = _PLUS_INF_LOGIT if plus else _MASKED_ROW
     if origin.phase == "forward" and _op_base(origin.op or "") in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
         fix = (
             "Inf - Inf is NaN: a row where every value is -inf (a fully masked row of a hand-written masked "

@@ -1409,6 +1409,26 @@ def test_rmsnorm_without_eps_on_a_zero_vector_names_rsqrt_at_zero_not_the_deriva
     assert "derivative of sqrt" not in origin.message  # the forward value is Inf already
 
 
+# open_clip / SimCLR-style reports: a contrastive loss whose temperature anneals to 0 (sim / 0 = +inf logits)
+def test_contrastive_loss_with_a_zero_temperature_gives_the_plus_inf_logit_fix_not_only_the_masked_row() -> None:
+    torch.manual_seed(0)
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with watch(model, opt, max_skips=None) as gw:
+        for step, x in enumerate(batches(8)):
+            tau = max(0.0, 0.5 - 0.1 * step)  # reaches 0 at step 5
+            z = F.normalize(torch.cat([model(x), model(x + 0.1)], dim=1), dim=1)
+            logits = z @ z.T / tau
+            loss = F.cross_entropy(logits, torch.arange(len(x)))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    named = [f for f in of(gw.findings, "nan_origin") if f.op == "LogSoftmaxBackward0"]
+    assert named and named[0].step == 6, show(gw.findings)  # escalated after step 5: the op and its line
+    assert "temperature" in named[0].message and "tau.clamp_min" in named[0].message, named[0].message
+
+
 class LogMaskPool(nn.Module):
     """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
 
