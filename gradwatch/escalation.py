@@ -1284,6 +1284,14 @@ def _can_turn_nonfinite(node: Any) -> bool:
             return True
         if isinstance(exponent, (int, float)) and float(exponent).is_integer() and exponent >= 0:
             return False  # x ** 2: finite wherever x is
+    if base in ("NllLoss", "NllLoss2d"):
+        # Asked only when the gradient reaching the model was non-finite. Every target ignored makes the loss
+        # 0/0 = NaN but its gradient zero, so without class weights nll_loss cannot have made it; a weight
+        # (NaN/Inf from 1/count) can. The weight reads as None after the backward when none was passed.
+        try:
+            return node._saved_weight is not None
+        except Exception:  # noqa: BLE001 - a weight tensor, released by the backward
+            return True
     return True
 
 
@@ -1993,6 +2001,12 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "or clamp the probability), division by a zero count or norm, sqrt at 0, or a NaN/Inf target."
         )
         fixes = {name: fix_for(name) for name in dict.fromkeys(result.loss_ops)}
+        for name in fixes:
+            if _op_base(name) in ("NllLoss", "NllLoss2d"):  # listed only with class weights (see above)
+                fixes[name] = (
+                    "a NaN/Inf class weight (weight=) makes the gradient non-finite: 1/count with a class absent "
+                    "from the counts is Inf (clamp the counts: 1 / counts.clamp_min(1))."
+                )
         known = {name: f for name, f in fixes.items() if f is not _GENERIC_FIX}
         if len(set(known.values())) == 1:
             fix = next(iter(known.values()))  # one kind of suspect: its own fix

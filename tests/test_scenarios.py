@@ -1429,6 +1429,37 @@ def test_contrastive_loss_with_a_zero_temperature_gives_the_plus_inf_logit_fix_n
     assert "temperature" in named[0].message and "tau.clamp_min" in named[0].message, named[0].message
 
 
+# PaLM z-loss ports (torch.log(torch.exp(logits).sum(-1)) overflowing) next to a plain cross_entropy
+@pytest.mark.parametrize("class_weight", [False, True], ids=["no-weight", "inf-weight"])
+def test_loss_code_suspects_leave_out_nll_loss_when_it_cannot_make_the_gradient_non_finite(class_weight: bool) -> None:
+    torch.manual_seed(0)
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    weight = torch.tensor([1.0, float("inf")]) if class_weight else None  # 1/count of an absent class
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            logits = torch.cat([model(x), -model(x)], dim=1)
+            target = (x[:, 0] > 0).long()
+            if class_weight:
+                loss = F.cross_entropy(logits, target, weight=weight if step == 3 else None)
+            else:
+                ce = F.cross_entropy(logits, target)
+                z = torch.log(torch.exp(logits * (1e4 if step == 3 else 1.0)).sum(-1))  # exp overflow
+                loss = ce + 1e-4 * (z**2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in of(gw.findings, "nan_origin") if f.step == 3]
+    assert origin.data["phase"] == "loss", show(gw.findings)
+    if class_weight:
+        assert origin.data["loss_ops"] == ["NllLossBackward0"] and "class weight" in origin.message
+    else:
+        # every target ignored makes the loss NaN but its gradient zero: not a suspect for a NaN gradient
+        assert "NllLossBackward0" not in origin.data["loss_ops"] and "ExpBackward0" in origin.data["loss_ops"]
+        assert "ignore_index" not in origin.message, origin.message
+
+
 class LogMaskPool(nn.Module):
     """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
 
