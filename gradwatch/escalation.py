@@ -606,6 +606,11 @@ class Escalation:
                 )
                 state = getattr(self._culprit, "autocast", None) or ()
                 result.half = any(dtype == torch.float16 for _device, dtype in state)
+            if result is not None and not result.half:
+                # model.half() (or precision="16-true"): the forward runs in float16 without autocast.
+                result.half_weights = any(
+                    p.dtype == torch.float16 for _n, p in self.engine.index.model_params if p.is_floating_point()
+                )
             minus_inf = self._unabsorbed_minus_inf(result)
             if minus_inf:
                 # -inf the forward never absorbed, as a mask would be: bad data (log of a zero feature).
@@ -1241,6 +1246,8 @@ class _Result:
         self.loss_nonfinite = False
         #: The replayed call ran under autocast in float16.
         self.half = False
+        #: The model's weights are float16 (model.half()): its forward ran in float16 without autocast.
+        self.half_weights = False
         #: Plain loop: a device flag, whether the forward's output was all finite (None: not known).
         self.output_ok: torch.Tensor | None = None
 
@@ -2152,6 +2159,21 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "this op in float32 (wrap it in torch.autocast(device_type, enabled=False) and call .float() on "
             "its inputs), scale its input down (normalize the batch), or use bfloat16 (float32's range). "
             "Otherwise: " + fix
+        )
+    if (
+        result.half_weights
+        and origin.phase == "forward"
+        and origin.outgoing.get("inf")
+        and not origin.outgoing.get("nan")
+        and not inc.get("inf")
+        and inc.get("max_abs", math.inf) <= 65504.0
+    ):
+        fix = (
+            "the model's weights are float16 (model.half()), so this op most likely ran in float16, whose "
+            "largest finite value is 65504: the Inf is an overflow of half precision (an attention score q.k "
+            "or an activation above 65504), not of float32 values. Train with float32 weights under "
+            "torch.autocast (bfloat16, or float16 with a GradScaler), compute this op in float32 (.float() on "
+            "its inputs), or scale its input down (normalize the batch). Otherwise: " + fix
         )
     if origin.explicit_operand:
         fix = (

@@ -1050,6 +1050,34 @@ def test_half_precision_overflow_says_so_in_its_fix() -> None:
     assert origin.step == 2 and "float16, whose largest finite value is 65504" in origin.message
 
 
+class _HalfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.qk, self.out = nn.Linear(8, 16), nn.Linear(16, 32), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k = self.qk(h).chunk(2, -1)
+        return self.out((q @ k.transpose(-2, -1)).softmax(-1) @ h).mean(1)
+
+
+# HF transformers #10956-style (T5 / LLaMA fine-tuned with model.half()): attention scores pass 65504 -> Inf
+def test_a_model_half_overflow_names_float16_in_its_fix_not_only_values_out_of_range() -> None:
+    torch.manual_seed(0)
+    model = _HalfAttention().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            x = torch.randn(4, 6, 8) * (3000.0 if step == 2 else 1.0)  # outlier activations at step 2
+            loss = nn.functional.cross_entropy(model(x.half()).float(), torch.zeros(4, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.data["phase"]) == (2, "forward"), origin.message
+    assert "model.half()" in origin.message and "65504" in origin.message, origin.message
+
+
 class _SafeLog(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
