@@ -707,12 +707,26 @@ class Escalation:
             yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
     def _nonfinite_inputs(self, *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
-        named: list[tuple[str, torch.Tensor]] = []
-        for src in self._source():
+        per_source: list[list[tuple[str, torch.Tensor]]] = []
+        sources = self._source()
+        for src in sources:
             if isinstance(src, _Batch):
-                named += _named_tensors("batch", src.batch)
+                per_source.append(_named_tensors("batch", src.batch))
             else:
-                named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
+                per_source.append(_named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs))
+        uses: dict[int, int] = {}
+        for found in per_source:
+            for _n, t in found:
+                uses[id(t)] = uses.get(id(t), 0) + 1
+        named: list[tuple[str, torch.Tensor]] = []
+        for i, found in enumerate(per_source):
+            if len(per_source) > 1:
+                # Gradient accumulation: say which micro-batch held it (not for a tensor fed to several
+                # passes, SAM's). Counted from the step's first forward: a step a GradScaler dropped is found
+                # with the next step's forwards held too, so no "of N".
+                what = "batch" if isinstance(sources[i], _Batch) else "forward call"
+                found = [(f"{n} of the step's {what} {i + 1}" if uses[id(t)] == 1 else n, t) for n, t in found]
+            named += found
         return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()], minus_inf=minus_inf)
 
     def _unabsorbed_minus_inf(self, result: _Result | None) -> list[tuple[str, int, int]]:

@@ -1078,6 +1078,32 @@ def test_a_model_half_overflow_names_float16_in_its_fix_not_only_values_out_of_r
     assert "model.half()" in origin.message and "65504" in origin.message, origin.message
 
 
+# HF accelerate / transformers "loss nan with gradient accumulation" reports: one corrupt sample in one micro-batch
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "fp16-grad-scaler"])
+def test_a_bad_micro_batch_under_accumulation_is_named_by_its_forward_call(scaler: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=scaler)
+    with gradwatch.watch(model, opt, console=False, scaler=amp if scaler else None) as gw:
+        for update in range(5):
+            for k in range(4):
+                x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+                if update == 3 and k == 2:
+                    x[1, 4] = float("inf")  # the third micro-batch of update 3
+                with torch.autocast("cpu", dtype=torch.float16, enabled=scaler):
+                    loss = nn.functional.cross_entropy(model(x), y) / 4
+                gw.observe_loss(loss)
+                amp.scale(loss).backward()
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+    (found,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert found.step == 3 and found.data["inputs"] == [
+        {"input": "args[0] of the step's forward call 3", "nan": 0, "inf": 1}
+    ], found.message
+
+
 class _SafeLog(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
