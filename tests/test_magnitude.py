@@ -758,8 +758,8 @@ class _TinyGPT(nn.Module):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict(dict(n1=_RMSNorm(d), qkv=nn.Linear(d, 3 * d), proj=nn.Linear(d, d), n2=_RMSNorm(d),
-                               mlp=nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))))
+            nn.ModuleDict({"n1": _RMSNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d), "n2": _RMSNorm(d),
+                           "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))})
             for _ in range(layers)
         )
         self.norm, self.heads = _RMSNorm(d), heads
