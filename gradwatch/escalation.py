@@ -591,6 +591,7 @@ class Escalation:
                         _poisoned_finding(
                             stats.step, poisoned, config.on_nonfinite, layers, buffers=False, every=config.every,
                             earlier=self.engine.kind_counts.get("nan_origin", 0) > 0,
+                            rows=self._embedding_rows(poisoned),
                         )
                     )
                 return out
@@ -605,6 +606,11 @@ class Escalation:
                 )
                 state = getattr(self._culprit, "autocast", None) or ()
                 result.half = any(dtype == torch.float16 for _device, dtype in state)
+            if result is not None and not result.half:
+                # model.half() (or precision="16-true"): the forward runs in float16 without autocast.
+                result.half_weights = any(
+                    p.dtype == torch.float16 for _n, p in self.engine.index.model_params if p.is_floating_point()
+                )
             minus_inf = self._unabsorbed_minus_inf(result)
             if minus_inf:
                 # -inf the forward never absorbed, as a mask would be: bad data (log of a zero feature).
@@ -701,12 +707,26 @@ class Escalation:
             yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
     def _nonfinite_inputs(self, *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
-        named: list[tuple[str, torch.Tensor]] = []
-        for src in self._source():
+        per_source: list[list[tuple[str, torch.Tensor]]] = []
+        sources = self._source()
+        for src in sources:
             if isinstance(src, _Batch):
-                named += _named_tensors("batch", src.batch)
+                per_source.append(_named_tensors("batch", src.batch))
             else:
-                named += _named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs)
+                per_source.append(_named_tensors("args", src.args) + _named_tensors("kwargs", src.kwargs))
+        uses: dict[int, int] = {}
+        for found in per_source:
+            for _n, t in found:
+                uses[id(t)] = uses.get(id(t), 0) + 1
+        named: list[tuple[str, torch.Tensor]] = []
+        for i, found in enumerate(per_source):
+            if len(per_source) > 1:
+                # Gradient accumulation: say which micro-batch held it (not for a tensor fed to several
+                # passes, SAM's). Counted from the step's first forward: a step a GradScaler dropped is found
+                # with the next step's forwards held too, so no "of N".
+                what = "batch" if isinstance(sources[i], _Batch) else "forward call"
+                found = [(f"{n} of the step's {what} {i + 1}" if uses[id(t)] == 1 else n, t) for n, t in found]
+            named += found
         return _bad_data([(n, t) for n, t in named if t.is_floating_point() or t.is_complex()], minus_inf=minus_inf)
 
     def _unabsorbed_minus_inf(self, result: _Result | None) -> list[tuple[str, int, int]]:
@@ -798,6 +818,23 @@ class Escalation:
         with torch.no_grad():
             flags = [bool((~torch.isfinite(params[i][1])).any()) for i in suspects]
         return [params[i][0] for i, f in zip(suspects, flags) if f]
+
+    def _embedding_rows(self, names: list[str]) -> dict[str, tuple[list[int], int]]:
+        """For poisoned embedding tables, the rows holding NaN/Inf and the number of rows (incident path only).
+
+        A table with a few bad rows (new rows of a resized vocabulary left uninitialized) is non-finite only on
+        the batches that look those ids up: saying "every step" would contradict the run's finite steps."""
+        if self.model is None:
+            return {}
+        tables = {id(m.weight): m for m in self.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+        out: dict[str, tuple[list[int], int]] = {}
+        for name, p in self.engine.index.model_params:
+            if name in names and id(p) in tables and p.dim() == 2:
+                with torch.no_grad():
+                    bad = (~torch.isfinite(p)).any(dim=1).nonzero().flatten().tolist()
+                if bad and len(bad) < p.shape[0]:
+                    out[name] = (bad, p.shape[0])
+        return out
 
     # -- localization ------------------------------------------------------------------------------
     def _localize(self) -> _Result | None:
@@ -1223,6 +1260,8 @@ class _Result:
         self.loss_nonfinite = False
         #: The replayed call ran under autocast in float16.
         self.half = False
+        #: The model's weights are float16 (model.half()): its forward ran in float16 without autocast.
+        self.half_weights = False
         #: Plain loop: a device flag, whether the forward's output was all finite (None: not known).
         self.output_ok: torch.Tensor | None = None
 
@@ -1266,6 +1305,14 @@ def _can_turn_nonfinite(node: Any) -> bool:
             return True
         if isinstance(exponent, (int, float)) and float(exponent).is_integer() and exponent >= 0:
             return False  # x ** 2: finite wherever x is
+    if base in ("NllLoss", "NllLoss2d"):
+        # Asked only when the gradient reaching the model was non-finite. Every target ignored makes the loss
+        # 0/0 = NaN but its gradient zero, so without class weights nll_loss cannot have made it; a weight
+        # (NaN/Inf from 1/count) can. The weight reads as None after the backward when none was passed.
+        try:
+            return node._saved_weight is not None
+        except Exception:  # noqa: BLE001 - a weight tensor, released by the backward
+            return True
     return True
 
 
@@ -1663,7 +1710,7 @@ def _loop_input_finding(step: int, bad: list[tuple[str, int, int]]) -> Finding:
 
 def _poisoned_finding(
     step: int, names: list[str], policy: str, layers: list[dict[str, Any]], *, buffers: bool, every: int = 1,
-    earlier: bool = True,
+    earlier: bool = True, rows: dict[str, tuple[list[int], int]] | None = None,
 ) -> Finding:
     if buffers:
         what = f"Buffers of the model hold NaN/Inf at step {step}: {names_text(names)}"
@@ -1687,15 +1734,34 @@ def _poisoned_finding(
                 "between was applied unchecked (or they were loaded from a checkpoint or written outside the "
                 "optimizer); every step is non-finite from then on."
             )
+        elif rows and not earlier:
+            tables = "; ".join(
+                f"{n}: row{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:8]))}{' and more' if len(r) > 8 else ''}"
+                f" ({len(r)} of {total})"
+                for n, (r, total) in rows.items()
+            )
+            why = (
+                f"Only some rows of the embedding table hold them ({tables}): only batches that look up those "
+                "ids are non-finite, this one among them. They were non-finite before this step (rows added "
+                "to the vocabulary and left uninitialized, e.g. filled from torch.empty, a bad checkpoint "
+                "merge, or a write outside the optimizer)."
+            )
         else:
             why = (
                 "They became non-finite before this step (loaded from a checkpoint, written outside the "
-                "optimizer, or updated by an optimizer gradwatch does not watch), so every step is non-finite."
+                "optimizer, or updated by an optimizer gradwatch does not watch), so every step that reads "
+                "them is non-finite."
             )
         if earlier:
             fix = (
                 "Fix: see the first nan_origin finding of the run for the op and module where it began; use "
                 "on_nonfinite='skip' to keep the weights clean while you fix it, and reload a checkpoint."
+            )
+        elif rows:
+            fix = (
+                "Fix: re-initialize those rows (with torch.no_grad(): emb.weight[rows] = "
+                "emb.weight[ok_rows].mean(0), or normal_ with the table's std), or reload a checkpoint; check "
+                "what wrote them (resize_token_embeddings, a checkpoint merge)."
             )
         else:
             fix = (
@@ -1708,11 +1774,23 @@ def _poisoned_finding(
         kind="nan_origin",
         step=step,
         severity="error",
-        message=f"{what}. {why} The origin cannot be localized from this step.\n{fix}",
+        message=f"{what}. {why}{'' if rows else ' The origin cannot be localized from this step.'}\n{fix}",
         params=tuple(names),
         data={"phase": "buffers" if buffers else "weights", "params": names, "table": layers},
     )
 
+
+#: The two ways softmax / log_softmax go NaN on finite-or-infinite logits: which one a forward-phase origin
+#: is, its inputs' range tells (see _origin_finding); without them (the loss code's backward) both are given.
+_MASKED_ROW = (
+    "a fully masked row (every logit -inf) makes softmax NaN: keep one position unmasked, or mask with "
+    "torch.finfo(x.dtype).min instead of -inf."
+)
+_PLUS_INF_LOGIT = (
+    "a logit of +inf makes softmax NaN too (inf - inf): logits divided by a temperature or scale of 0 "
+    "(clamp it: tau.clamp_min(1e-2)), or a logit that overflowed (compute it in float32, lower the "
+    "learning rate)."
+)
 
 _FIXES: list[tuple[tuple[str, ...], str]] = [
     (
@@ -1721,10 +1799,18 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "stay in log space (log_softmax, logsumexp, cross_entropy on logits).",
     ),
     (
-        ("Sqrt", "Rsqrt"),
+        ("Sqrt",),
         "the derivative of sqrt is infinite at 0 (and sqrt of a negative number is NaN): use "
         "torch.sqrt(x + 1e-8) or x.clamp_min(1e-8).sqrt(); for a norm, torch.linalg.vector_norm has a "
         "defined gradient at 0.",
+    ),
+    (
+        # rsqrt is Inf at 0 in the forward pass already (not only its derivative): a hand-written RMSNorm
+        # with eps=0 on an all-zero vector (a padding or masked position) gives 0 * inf = NaN.
+        ("Rsqrt",),
+        "rsqrt(0) = 1/sqrt(0) is Inf (and rsqrt of a negative number is NaN): put an epsilon inside, "
+        "torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) with eps > 0 (an RMSNorm with eps=0 divides by "
+        "zero on an all-zero vector: a padding or masked position), or x.clamp_min(1e-8).rsqrt().",
     ),
     (
         ("Div", "Reciprocal", "Remainder", "Fmod"),
@@ -1747,8 +1833,7 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
     ),
     (
         ("Softmax", "LogSoftmax"),
-        "a fully masked row (every logit -inf) makes softmax NaN: keep one position unmasked, or mask with "
-        "torch.finfo(x.dtype).min instead of -inf.",
+        _MASKED_ROW + " " + _PLUS_INF_LOGIT[:1].upper() + _PLUS_INF_LOGIT[1:],
     ),
     (
         ("Std", "Var", "StdMean", "VarMean"),
@@ -1937,6 +2022,12 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "or clamp the probability), division by a zero count or norm, sqrt at 0, or a NaN/Inf target."
         )
         fixes = {name: fix_for(name) for name in dict.fromkeys(result.loss_ops)}
+        for name in fixes:
+            if _op_base(name) in ("NllLoss", "NllLoss2d"):  # listed only with class weights (see above)
+                fixes[name] = (
+                    "a NaN/Inf class weight (weight=) makes the gradient non-finite: 1/count with a class absent "
+                    "from the counts is Inf (clamp the counts: 1 / counts.clamp_min(1))."
+                )
         known = {name: f for name, f in fixes.items() if f is not _GENERIC_FIX}
         if len(set(known.values())) == 1:
             fix = next(iter(known.values()))  # one kind of suspect: its own fix
@@ -2057,6 +2148,10 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "weights grew, clip gradients, and compute the loss in float32."
             + ("" if fix is _GENERIC_FIX else " " + fix[:1].upper() + fix[1:])
         )
+    if origin.phase == "forward" and _op_base(origin.op or "") in ("Softmax", "LogSoftmax") and inc.get("inf"):
+        # Its inputs' range tells a +inf logit (a temperature of 0) from a fully masked row (-inf only).
+        plus = inc.get("max") is not None and inc["max"] == math.inf
+        fix = _PLUS_INF_LOGIT if plus else _MASKED_ROW
     if origin.phase == "forward" and _op_base(origin.op or "") in ("Sub", "Rsub", "Add") and inc.get("inf") and not inc.get("nan"):
         fix = (
             "Inf - Inf is NaN: a row where every value is -inf (a fully masked row of a hand-written masked "
@@ -2078,6 +2173,21 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             "this op in float32 (wrap it in torch.autocast(device_type, enabled=False) and call .float() on "
             "its inputs), scale its input down (normalize the batch), or use bfloat16 (float32's range). "
             "Otherwise: " + fix
+        )
+    if (
+        result.half_weights
+        and origin.phase == "forward"
+        and origin.outgoing.get("inf")
+        and not origin.outgoing.get("nan")
+        and not inc.get("inf")
+        and inc.get("max_abs", math.inf) <= 65504.0
+    ):
+        fix = (
+            "the model's weights are float16 (model.half()), so this op most likely ran in float16, whose "
+            "largest finite value is 65504: the Inf is an overflow of half precision (an attention score q.k "
+            "or an activation above 65504), not of float32 values. Train with float32 weights under "
+            "torch.autocast (bfloat16, or float16 with a GradScaler), compute this op in float32 (.float() on "
+            "its inputs), or scale its input down (normalize the batch). Otherwise: " + fix
         )
     if origin.explicit_operand:
         fix = (

@@ -802,6 +802,28 @@ def test_weights_poisoned_on_an_unchecked_step_say_so_and_suggest_checking_every
     assert "see the first nan_origin" not in origin.message  # there is none before it
 
 
+# HF transformers resize_token_embeddings reports: new vocabulary rows left uninitialized (NaN) in the table
+def test_embedding_table_with_a_nan_row_names_the_row_and_does_not_say_every_step_is_non_finite() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight[7] = float("nan")  # one row of the table, e.g. torch.empty after a resize
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(5):
+            ids = torch.randint(8, 20, (6, 4))
+            if step == 3:
+                ids[2, 1] = 7  # the only batch that looks the bad row up
+            opt.zero_grad()
+            model(ids).pow(2).mean().backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.data["phase"], origin.params) == (3, "weights", ("0.weight",))
+    assert "row 7 (1 of 20)" in origin.message and "re-initialize those rows" in origin.message, origin.message
+    assert "every step is non-finite" not in origin.message  # steps 0-2 were finite
+    assert gw.engine.steps_skipped == 1
+
+
 @dataclasses.dataclass
 class _Output:
     pred: torch.Tensor
@@ -1026,6 +1048,60 @@ def test_half_precision_overflow_says_so_in_its_fix() -> None:
             opt.step()
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert origin.step == 2 and "float16, whose largest finite value is 65504" in origin.message
+
+
+class _HalfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.qk, self.out = nn.Linear(8, 16), nn.Linear(16, 32), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k = self.qk(h).chunk(2, -1)
+        return self.out((q @ k.transpose(-2, -1)).softmax(-1) @ h).mean(1)
+
+
+# HF transformers #10956-style (T5 / LLaMA fine-tuned with model.half()): attention scores pass 65504 -> Inf
+def test_a_model_half_overflow_names_float16_in_its_fix_not_only_values_out_of_range() -> None:
+    torch.manual_seed(0)
+    model = _HalfAttention().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(4):
+            x = torch.randn(4, 6, 8) * (3000.0 if step == 2 else 1.0)  # outlier activations at step 2
+            loss = nn.functional.cross_entropy(model(x.half()).float(), torch.zeros(4, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
+    assert (origin.step, origin.data["phase"]) == (2, "forward"), origin.message
+    assert "model.half()" in origin.message and "65504" in origin.message, origin.message
+
+
+# HF accelerate / transformers "loss nan with gradient accumulation" reports: one corrupt sample in one micro-batch
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "fp16-grad-scaler"])
+def test_a_bad_micro_batch_under_accumulation_is_named_by_its_forward_call(scaler: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=scaler)
+    with gradwatch.watch(model, opt, console=False, scaler=amp if scaler else None) as gw:
+        for update in range(5):
+            for k in range(4):
+                x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+                if update == 3 and k == 2:
+                    x[1, 4] = float("inf")  # the third micro-batch of update 3
+                with torch.autocast("cpu", dtype=torch.float16, enabled=scaler):
+                    loss = nn.functional.cross_entropy(model(x), y) / 4
+                gw.observe_loss(loss)
+                amp.scale(loss).backward()
+            amp.step(opt)
+            amp.update()
+            opt.zero_grad()
+    (found,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
+    assert found.step == 3 and found.data["inputs"] == [
+        {"input": "args[0] of the step's forward call 3", "nan": 0, "inf": 1}
+    ], found.message
 
 
 class _SafeLog(torch.autograd.Function):

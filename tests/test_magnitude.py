@@ -742,6 +742,85 @@ def test_loss_thrown_up_by_a_learning_rate_far_too_high_is_diverging() -> None:
     assert found[0].data["ratio"] > 10 and "learning rate now 1" in found[0].message
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _TinyGPT(nn.Module):
+    """nanoGPT-style: causal self-attention, hand-written RMSNorm, GELU MLP, lm head tied to the embedding."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"n1": _RMSNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d), "n2": _RMSNorm(d),
+                           "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))})
+            for _ in range(layers)
+        )
+        self.norm, self.heads = _RMSNorm(d), heads
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(T))
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["n1"](x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+            x = x + b["proj"]((att @ v).transpose(1, 2).reshape(B, T, -1))
+            x = x + b["mlp"](b["n2"](x))
+        return self.head(self.norm(x))
+
+
+# Hand-written warm-up with the ratio inverted (LambdaLR(lambda s: W / (s + 1)) for (s + 1) / W): the learning
+# rate starts 100x its peak ("loss explodes then stays at ln(vocab)" reports); the loss is thrown up 1e9x, then
+# x.pow(2) in the RMSNorms overflows, rsqrt(inf) = 0 zeroes every activation and every gradient: the loss falls
+# back to ln(50) and stays there, which the "stays up" test alone never saw.
+def test_a_loss_thrown_up_that_then_dies_with_every_gradient_zero_is_diverging() -> None:
+    torch.manual_seed(0)
+    model = _TinyGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(1.0, 100 / (s + 1)))
+    g = torch.Generator().manual_seed(3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(12):
+            t = torch.randint(1, 50, (4, 17), generator=g)
+            loss = nn.functional.cross_entropy(model(t[:, :-1]).reshape(-1, 50), t[:, 1:].reshape(-1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    found = [f for f in gw.findings if f.kind == "loss_diverging"]
+    assert [(f.step, f.severity) for f in found] == [(6, "warning")], [(f.kind, f.step) for f in gw.findings]
+    assert found[0].data["died"] and found[0].data["ratio"] > 1e6
+    assert "every gradient has been exactly zero" in found[0].message and "LambdaLR" in found[0].message
+
+
+def test_the_tiny_gpt_at_a_sane_learning_rate_with_warm_up_is_silent() -> None:
+    torch.manual_seed(0)
+    model = _TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    g = torch.Generator().manual_seed(3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(40):
+            t = torch.randint(1, 50, (4, 17), generator=g)
+            loss = nn.functional.cross_entropy(model(t[:, :-1]).reshape(-1, 50), t[:, 1:].reshape(-1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    assert gw.findings == []
+
+
 def test_the_same_model_at_a_sane_learning_rate_is_silent() -> None:
     gw = _lm_run(lr=1e-3, steps=40)
     assert gw.findings == []

@@ -1353,6 +1353,113 @@ def test_every_target_ignored_is_a_nan_loss_with_finite_gradients_and_says_so() 
     assert "makes every gradient of this step NaN" not in found[0].message
 
 
+# pytorch/pytorch#96567-style report: cross_entropy(label_smoothing=0.1) over logits masked with -inf is Inf
+def test_inf_loss_with_finite_gradients_names_label_smoothing_over_masked_logits_not_a_mean_over_zero() -> None:
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    allowed = torch.tensor([True, False])
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            logits = torch.cat([model(x), -model(x)], dim=1)
+            if step == 3:
+                logits = logits.masked_fill(~allowed, float("-inf"))  # constrained classes, masked with -inf
+            loss = F.cross_entropy(logits, torch.zeros(len(x), dtype=torch.long), label_smoothing=0.1)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = of(gw.findings, "nonfinite_loss")
+    assert [f.step for f in found] == [3] and not of(gw.findings, "nonfinite_grad"), show(gw.findings)
+    assert found[0].data["grads_finite"] is True and math.isinf(found[0].data["loss"])
+    assert "label_smoothing" in found[0].message, found[0].message
+    # 0/0 and 0 * log(0) make NaN, never Inf: they are not offered as the cause of an Inf loss
+    assert "mean over zero elements" not in found[0].message and "xlogy" not in found[0].message
+
+
+class ZeroEpsRMSNorm(nn.Module):
+    """A LLaMA-port RMSNorm with eps=0 (rms_norm_eps left at 0): rsqrt(0) is Inf on an all-zero vector."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight
+
+
+# HF transformers / LLaMA ports: RMSNorm with rms_norm_eps=0 goes NaN on a zero (padding) hidden vector
+def test_rmsnorm_without_eps_on_a_zero_vector_names_rsqrt_at_zero_not_the_derivative_of_sqrt() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 16, padding_idx=0), ZeroEpsRMSNorm(16), nn.Linear(16, 30))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(model, opt) as gw:
+        for step in range(5):
+            x = torch.randint(1, 30, (4, 8))
+            y = torch.randint(1, 30, (4, 8))
+            if step == 3:
+                x[0, 6:], y[0, 6:] = 0, -100  # padding: a zero embedding row
+            loss = F.cross_entropy(model(x).reshape(-1, 30), y.reshape(-1))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = of(gw.findings, "nan_origin")
+    assert (origin.step, origin.module, origin.op) == (3, "1", "RsqrtBackward0"), show(gw.findings)
+    assert "rsqrt(0)" in origin.message and "eps > 0" in origin.message, origin.message
+    assert "derivative of sqrt" not in origin.message  # the forward value is Inf already
+
+
+# open_clip / SimCLR-style reports: a contrastive loss whose temperature anneals to 0 (sim / 0 = +inf logits)
+def test_contrastive_loss_with_a_zero_temperature_gives_the_plus_inf_logit_fix_not_only_the_masked_row() -> None:
+    torch.manual_seed(0)
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with watch(model, opt, max_skips=None) as gw:
+        for step, x in enumerate(batches(8)):
+            tau = max(0.0, 0.5 - 0.1 * step)  # reaches 0 at step 5
+            z = F.normalize(torch.cat([model(x), model(x + 0.1)], dim=1), dim=1)
+            logits = z @ z.T / tau
+            loss = F.cross_entropy(logits, torch.arange(len(x)))
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    named = [f for f in of(gw.findings, "nan_origin") if f.op == "LogSoftmaxBackward0"]
+    assert named and named[0].step == 6, show(gw.findings)  # escalated after step 5: the op and its line
+    assert "temperature" in named[0].message and "tau.clamp_min" in named[0].message, named[0].message
+
+
+# PaLM z-loss ports (torch.log(torch.exp(logits).sum(-1)) overflowing) next to a plain cross_entropy
+@pytest.mark.parametrize("class_weight", [False, True], ids=["no-weight", "inf-weight"])
+def test_loss_code_suspects_leave_out_nll_loss_when_it_cannot_make_the_gradient_non_finite(class_weight: bool) -> None:
+    torch.manual_seed(0)
+    model = MLP(depth=2, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    weight = torch.tensor([1.0, float("inf")]) if class_weight else None  # 1/count of an absent class
+    with watch(model, opt) as gw:
+        for step, x in enumerate(batches(5)):
+            logits = torch.cat([model(x), -model(x)], dim=1)
+            target = (x[:, 0] > 0).long()
+            if class_weight:
+                loss = F.cross_entropy(logits, target, weight=weight if step == 3 else None)
+            else:
+                ce = F.cross_entropy(logits, target)
+                z = torch.log(torch.exp(logits * (1e4 if step == 3 else 1.0)).sum(-1))  # exp overflow
+                loss = ce + 1e-4 * (z**2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (origin,) = [f for f in of(gw.findings, "nan_origin") if f.step == 3]
+    assert origin.data["phase"] == "loss", show(gw.findings)
+    if class_weight:
+        assert origin.data["loss_ops"] == ["NllLossBackward0"] and "class weight" in origin.message
+    else:
+        # every target ignored makes the loss NaN but its gradient zero: not a suspect for a NaN gradient
+        assert "NllLossBackward0" not in origin.data["loss_ops"] and "ExpBackward0" in origin.data["loss_ops"]
+        assert "ignore_index" not in origin.message, origin.message
+
+
 class LogMaskPool(nn.Module):
     """Log-sum-exp pooling over a padded sequence with an additive log-mask (0 or -inf)."""
 

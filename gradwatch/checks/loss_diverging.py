@@ -9,6 +9,10 @@ checked steps. Positive losses only (a
 loss that can be negative has no such scale), a start of at least ``MIN_START`` (a loss that starts at almost
 zero, an actor's loss from a critic near 0 or a zero-initialized output, has no scale to be 10x of either),
 and not with several optimizers (GAN losses rise by design).
+
+Also reported: a loss thrown ``PEAK`` x above that start that then falls back because the model died (every
+gradient exactly zero for ``DEAD`` checked steps in a row: exploded weights saturate the units, or x ** 2 in
+a norm overflows and rsqrt(inf) = 0 zeroes the activations). Its loss looks calm, but the run has stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ FLOOR = 3.0
 MIN_START = 1e-3
 _FIRST = "loss_diverging/first"
 _KEY = "loss_diverging"
+#: A loss thrown this many times above the start, and then every gradient exactly zero for DEAD checked steps
+#: in a row: the run diverged and died (saturated or dead units pass no gradient back), so the loss falls back
+#: to a constant and the "stays up" test above never fires. A healthy run never has both.
+PEAK = 100.0
+DEAD = 3
 
 
 def _recent(stats: StepStats, history: History) -> list[float]:
@@ -67,7 +76,34 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
     return start, level, len(recent)
 
 
+def _died(stats: StepStats, history: History) -> tuple[float, float] | None:
+    """``(start, peak)`` when the loss was thrown PEAK x above its start and the whole model's gradient has
+    been exactly zero since (DEAD checked steps); else None."""
+    first = history.memory.get(_FIRST)
+    if not isinstance(first, list) or len(first) < START or history.reported.get(_KEY):
+        return None
+    if history.memory.get(_COUNT, 0) >= EARLY or not stats.names or stats.total_norm != 0.0:
+        return None
+    if stats.loss is None or stats.loss_nonfinite or stats.extra.get("several_optimizers"):
+        return None
+    norms = list(history.total_norms.get(stats.optimizer_index, ()))[-(DEAD - 1) :]
+    if len(norms) < DEAD - 1 or any(v != 0.0 for v in norms):
+        return None
+    start = min(first)
+    if start < MIN_START:
+        return None
+    seq = [*history.losses, stats.loss]
+    peak = max(seq)
+    at = seq.index(peak)
+    if not peak > PEAK * start or not any(b > JUMP * a for a, b in zip(seq[:at], seq[1 : at + 1]) if a > 0):
+        return None
+    return start, peak
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    died = _died(stats, history)
+    if died is not None:
+        return [_died_finding(stats, *died)]
     facts = _facts(stats, history)
     if facts is None:
         return []
@@ -101,6 +137,29 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     ]
 
 
+def _died_finding(stats: StepStats, start: float, peak: float) -> Finding:
+    lrs = _learning_rates(stats.extra.get("optimizer"))
+    lr_text = f" (learning rate now {lrs})" if lrs else ""
+    return Finding(
+        kind=_KEY,
+        step=stats.step,
+        severity="warning",
+        message=(
+            f"The loss diverged and the model died: it rose from {start:.4g} (lowest of the first {START} checked "
+            f"steps) to {peak:.4g}, {peak / start:.3g}x, and for the last {DEAD} checked steps every gradient has "
+            f"been exactly zero, the loss stuck at {stats.loss:.4g}{lr_text}.\n"
+            "Why it matters: the updates threw the weights so far that no gradient flows back any more "
+            "(saturated or dead units); the loss looks calm, but the run has stopped learning and will not "
+            "recover by itself.\n"
+            "Fix: restart from the initial weights (or a checkpoint from before the jump) with a lower learning "
+            "rate (10x at a time; check for a typo, and that a warm-up schedule starts low: a LambdaLR factor "
+            "above 1 at step 0 multiplies the peak learning rate), and clip gradients "
+            "(torch.nn.utils.clip_grad_norm_)."
+        ),
+        data={"start": start, "peak": peak, "ratio": peak / start, "dead_steps": DEAD, "died": True},
+    )
+
+
 def _learning_rates(optimizer: Any) -> str:
     groups = getattr(optimizer, "param_groups", None)
     if not groups:
@@ -110,7 +169,7 @@ def _learning_rates(optimizer: Any) -> str:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    if _facts(stats, history) is not None:
+    if _died(stats, history) is not None or _facts(stats, history) is not None:
         history.reported[_KEY] = True
     if stats.loss is None or stats.loss_nonfinite:
         return

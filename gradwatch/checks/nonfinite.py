@@ -25,15 +25,24 @@ _LOSS_ONLY = (
     "entropy or KL term written by hand (p * p.log() with a zero probability: 0 * -inf), or a NaN/Inf constant "
     "added to the loss."
 )
+#: The same for an Inf loss: 0/0 and 0 * log(0) make NaN, never Inf, so they cannot be its cause.
+_LOSS_ONLY_INF = (
+    "Inf is in the loss value only, in a part whose gradient does not carry it. Usual causes: "
+    "cross_entropy with label_smoothing over logits masked with -inf (the smoothing term averages the "
+    "log-probabilities of every class, -inf for a masked one, while the gradient of a masked logit is 0), "
+    "a log(0) or a division by zero in a term whose gradient is masked or detached, or an Inf constant "
+    "added to the loss."
+)
 
 
 def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> Finding | None:
     """``finding`` (a ``nonfinite_loss`` with finite gradients) restated once the step's ``nan_origin`` named
     the op: its list of usual causes would contradict it. None for any other finding (left as it is)."""
     first = finding.message.partition("\n")[0]
-    if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or _LOSS_ONLY not in first:
+    causes = next((c for c in (_LOSS_ONLY, _LOSS_ONLY_INF) if c in first), None)
+    if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or causes is None:
         return None
-    head, action = first.split(_LOSS_ONLY, 1)
+    head, action = first.split(causes, 1)
     where = f"op {op}" + (f" in module {module}" if module else "")
     message = (
         f"{head}NaN/Inf was born at {where} (the nan_origin finding of this step), and its gradient was "
@@ -98,6 +107,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 + f". {action}\nFix: compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
                 "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
                 "normalizing the targets (and inputs) keeps the values in range too."
+            )
+        elif grads_finite and stats.loss is not None and math.isinf(stats.loss):
+            message = (
+                f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
+                f"{_LOSS_ONLY_INF} {action}\nFix: with label_smoothing, leave the masked classes out of the logits "
+                "(cross_entropy(logits[:, allowed], target)) or mask with a large finite value such as -1e4 "
+                "instead of -inf (the loss then holds a constant, its gradient is the same); add an epsilon to the log or division of the term whose "
+                "gradient is masked; check the terms added to the loss for Inf."
             )
         elif grads_finite:
             message = (
