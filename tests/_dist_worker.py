@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -481,6 +482,61 @@ def ddp_accumulation(rank: int, bug: bool, no_sync: bool = True, bucket_view: bo
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
+class _AllReduceInBackward(torch.autograd.Function):
+    """Identity forward, gradient all-reduced in backward (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class Contrastive(Net):
+    """Each rank's embeddings scored against every rank's (SimCLR/CLIP negatives gathered in forward), or, with
+    ``backward_only``, a collective in a backward function only."""
+
+    def __init__(self, backward_only: bool) -> None:
+        super().__init__()
+        self.backward_only = backward_only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        z = self.encoder(x)
+        if self.backward_only:
+            return self.head(_AllReduceInBackward.apply(z))
+        import torch.distributed.nn.functional as dist_nn
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # all_gather's deprecation notice
+            everyone = torch.cat(dist_nn.all_gather(z), 0)
+        return self.head(z) + (z @ everyone.t()).mean(1, keepdim=True)
+
+
+def ddp_collective_nan(rank: int, backward_only: bool = False) -> dict[str, Any]:
+    """DDP over a model that runs a collective of its own (in forward, or in backward only); a NaN in one sample
+    of rank 1's batch at NAN_STEP. Rank 0's inputs are finite, so it replays the step: alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Contrastive(backward_only)
+    model = DDP(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    console = text_console()
+    with gradwatch.watch(model, opt, console=console) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings], "params": flat_params(inner),
+            "skipped": gw.engine.steps_skipped, "console": console.file.getvalue()}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -517,6 +573,10 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     "join_nan": lambda r: join_uneven(r, "ddp", nan=True),
     "probe_on_rank0": probe_on_rank0,
     "late_watcher": late_watcher,
+    # Before replays ran no collective, rank 0's replay paired its all_gather with another collective of rank 1
+    # (gloo aborted both processes) or waited for it.
+    "ddp_gather_nan": ddp_collective_nan,
+    "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, backward_only=True),
 }
 
 

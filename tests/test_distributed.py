@@ -288,6 +288,34 @@ def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: li
     assert all(math.isfinite(v) for v in r0["params"])
 
 
+# -- a model that runs collectives of its own: the replay on one rank runs none -----------------------------
+COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("dist_collective"))
+    codes, logs = launch(tmp, "ddp_gather_nan,ddp_backward_collective_nan", timeout=COLLECTIVE_TIMEOUT)
+    assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
+        logs
+    )
+    assert "GradWatchInternalWarning" not in logs[0] + logs[1], "\n".join(logs)
+    return read_runs(tmp)
+
+
+# A contrastive model gathering every rank's embeddings in forward (SimCLR/CLIP negatives, open_clip's
+# gather_features), a NaN in rank 1's batch: rank 0's replay ran all_gather alone and gloo aborted both ranks.
+@pytest.mark.parametrize("name", ["ddp_gather_nan", "ddp_backward_collective_nan"])
+def test_a_replay_on_one_rank_runs_no_collective_of_the_model(collective_runs: list[dict[str, Any]], name: str) -> None:
+    r0, r1 = scenario(collective_runs, name)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_input"]
+    assert f["step"] == 3 and f["data"]["ranks"] == [1]
+    assert "The data on rank 1, not the model, is the cause" in r0["console"]
+    assert not [f for f in r0["findings"] if f["kind"] == "nan_origin"]  # no origin made up from a cut replay
+
+
 # -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------
 def test_fsdp_norms_are_the_norms_over_all_shards(runs: list[dict[str, Any]]) -> None:
     for r in scenario(runs, "fsdp"):
