@@ -291,13 +291,23 @@ class RankAgreement:
             except Exception:  # noqa: BLE001 - the process group may be gone already
                 pass
 
+    def _ddp_module(self) -> Any:
+        """The DDP module of the watched model (the model itself, or the wrapper seen running it), or None."""
+        return self._ddp or next((j for j in self._joinables if self._ddp_cls and isinstance(j, self._ddp_cls)), None)
+
+    def after_step(self, stats: StepStats, decision: str) -> None:
+        if decision == "skip":
+            ddp = self._ddp_module()
+            if ddp is not None:
+                _drop_comm_hook_memory(ddp)
+
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
         self._slot = -1
         dist = _dist()
         if dist is None or self.world < 2:
             return
-        ddp = self._ddp or next((j for j in self._joinables if self._ddp_cls and isinstance(j, self._ddp_cls)), None)
+        ddp = self._ddp_module()
         if ddp is not None and getattr(ddp, "find_unused_parameters", False):
             # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
             ctx.stats.extra["unused_expected"] = True
@@ -738,6 +748,24 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def _inputs_text(inputs: list[Any]) -> str:
     return ", ".join(f"{n} ({a} NaN, {b} Inf)" for n, a, b in inputs)
+
+
+#: Memories a DDP communication hook keeps from one step's gradients to the next: PowerSGD's error feedback
+#: (the part of the gradient the low-rank approximation missed, added to the next step's) and its warm-start
+#: P and Q matrices (``PowerSGDState``; also the batched hook's).
+_HOOK_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _drop_comm_hook_memory(ddp: Any) -> None:
+    """After a skipped update: the hook made its memory from the step's non-finite gradients, and would add NaN
+    to every later step's (each skipped, until ``too_many_skips``). Dropped, as before compression starts: the
+    hook starts it again (zero error, new random Q from its own seeded generator). Every rank skips the same
+    step, so the replicas' hooks stay alike."""
+    for _hook, state in getattr(ddp, "_comm_hooks", None) or ():
+        for name in _HOOK_MEMORIES:
+            memory = getattr(state, name, None)
+            if isinstance(memory, dict):
+                memory.clear()
 
 
 def _ddp_class() -> Any:

@@ -537,6 +537,33 @@ def ddp_collective_nan(rank: int, backward_only: bool = False) -> dict[str, Any]
             "skipped": gw.engine.steps_skipped, "console": console.file.getvalue()}
 
 
+def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
+    """DDP with the PowerSGD communication hook (error feedback and warm start, torch's defaults) from the second
+    step on; a NaN in one sample of rank 1's batch at NAN_STEP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Net()
+    model = DDP(inner)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                   min_compression_rate=0.5)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    raised = None
+    with gradwatch.watch(model, opt, console=text_console(), max_skips=3) as gw:
+        try:
+            for step in range(STEPS + 2):
+                loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        except gradwatch.GradWatchError as exc:
+            raised = str(exc)[:300]
+    return {"findings": [f.to_dict() for f in gw.findings], "params": flat_params(inner),
+            "skipped": gw.engine.steps_skipped, "raised": raised}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -577,6 +604,7 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     # (gloo aborted both processes) or waited for it.
     "ddp_gather_nan": ddp_collective_nan,
     "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, backward_only=True),
+    "ddp_powersgd_nan": ddp_powersgd_nan,
 }
 
 

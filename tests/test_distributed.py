@@ -295,7 +295,7 @@ COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist_collective"))
-    codes, logs = launch(tmp, "ddp_gather_nan,ddp_backward_collective_nan", timeout=COLLECTIVE_TIMEOUT)
+    codes, logs = launch(tmp, "ddp_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan", timeout=COLLECTIVE_TIMEOUT)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
         logs
     )
@@ -314,6 +314,19 @@ def test_a_replay_on_one_rank_runs_no_collective_of_the_model(collective_runs: l
     assert f["step"] == 3 and f["data"]["ranks"] == [1]
     assert "The data on rank 1, not the model, is the cause" in r0["console"]
     assert not [f for f in r0["findings"] if f["kind"] == "nan_origin"]  # no origin made up from a cut replay
+
+
+# DDP with the PowerSGD hook (torch's DDP communication hooks docs), a NaN in rank 1's batch: the hook's
+# error-feedback memory kept the NaN gradient's residual and put NaN into every later step (skipped until
+# too_many_skips raised). A skipped step now drops that memory on every rank.
+def test_a_skipped_step_drops_powersgds_error_feedback_so_training_goes_on(
+    collective_runs: list[dict[str, Any]],
+) -> None:
+    r0, r1 = scenario(collective_runs, "ddp_powersgd_nan")
+    assert r0["raised"] is None and r1["raised"] is None
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert [k for k in kinds(r0) if k[0] == "nonfinite_grad"] == [("nonfinite_grad", 3)]
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
 
 
 # -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------
