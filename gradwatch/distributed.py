@@ -308,6 +308,8 @@ class RankAgreement:
         if dist is None or self.world < 2:
             return
         ddp = self._ddp_module()
+        if ddp is not None:
+            ctx.stats.extra["ddp"] = True  # for the checks' wording (accumulation_remainder's fix)
         if ddp is not None and getattr(ddp, "find_unused_parameters", False):
             # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
             ctx.stats.extra["unused_expected"] = True

@@ -564,6 +564,27 @@ def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
             "skipped": gw.engine.steps_skipped, "raised": raised}
 
 
+def ddp_remainder(rank: int) -> dict[str, Any]:
+    """DDP, 4 micro-batches per update (the first 3 under no_sync) over 10 batches per epoch, 3 epochs: the last 2
+    batches of each epoch are carried into the next epoch's first update."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for _ in range(3):
+            for i in range(10):
+                x = torch.randn(8, 4, generator=g)
+                with model.no_sync() if (i + 1) % 4 else contextlib.nullcontext():
+                    (model(x).pow(2).mean() / 4).backward()
+                if (i + 1) % 4 == 0:
+                    opt.step()
+                    opt.zero_grad()
+    return {"findings": [f.to_dict() for f in gw.findings]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -583,6 +604,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_zero_grad_in_accumulation": lambda r: ddp_accumulation(r, bug=True),
     "ddp_zero_grad_in_accumulation_synced": lambda r: ddp_accumulation(r, bug=True, no_sync=False, bucket_view=True),
     "ddp_accumulation": lambda r: ddp_accumulation(r, bug=False),
+    "ddp_remainder": ddp_remainder,
     "ddp_accumulation_synced": lambda r: ddp_accumulation(r, bug=False, no_sync=False, bucket_view=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),

@@ -157,6 +157,15 @@ def test_zero_grad_inside_ddp_accumulation_is_flagged_on_both_ranks(
     assert kinds(r0) == kinds(r1) == found
 
 
+# The epoch's remainder carried into the next epoch under DDP no_sync accumulation: the fix (also step on the
+# last batch) must also take that backward out of no_sync, or the ranks step on unsynced gradients.
+def test_ddp_accumulation_remainder_fix_says_the_last_backward_must_all_reduce(runs: list[dict[str, Any]]) -> None:
+    for r in scenario(runs, "ddp_remainder"):
+        (f,) = r["findings"]
+        assert (f["kind"], f["step"]) == ("accumulation_remainder", 2)
+        assert "Under DDP, the same condition must leave that last backward outside model.no_sync()" in f["message"]
+
+
 @pytest.mark.parametrize("which", ["ddp_unused_wrapped", "ddp_unused_inner"])
 def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[str, Any]], which: str) -> None:
     r0, r1 = scenario(runs, which)
