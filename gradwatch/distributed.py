@@ -566,10 +566,19 @@ class RankAgreement:
         if dist is None or self.world < 2 or self._solo:
             return []
         mine = next((f for f in findings if f.kind == "nan_origin" and f.data.get("phase")), None)
+        # A NaN/Inf loss whose gradients are finite has no origin to localize, but its own finding names the usual
+        # causes (every target equal to ignore_index on that rank's batch): rank zero would only say "a non-finite
+        # loss" of the other rank.
+        loss_only = next(
+            (f for f in findings if f.kind == "nonfinite_loss" and f.data.get("grads_finite") and not f.data.get("rank_relayed")),
+            None,
+        )
         summary = None
         if mine is not None:
             keys = ("phase", "op", "forward_op", "module", "source", "code")
             summary = {"rank": self.rank, "message": mine.message, **{k: mine.data.get(k) for k in keys}}
+        elif loss_only is not None:
+            summary = {"rank": self.rank, "message": loss_only.message, "loss_only": True}
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, summary, group=self.group)
@@ -578,9 +587,21 @@ class RankAgreement:
             return []
         if mine is not None:
             return []
-        other = next((o for o in out if isinstance(o, dict) and o.get("rank") != self.rank), None)
+        others = [o for o in out if isinstance(o, dict) and o.get("rank") != self.rank]
+        other = next((o for o in others if not o.get("loss_only")), None)
         if other is None:
-            return []
+            loss = next((o for o in others if o.get("loss_only")), None)
+            if loss is None or loss_only is not None:
+                return []  # this rank's own loss finding says it
+            return [
+                Finding(
+                    kind="nonfinite_loss",
+                    step=stats.step,
+                    severity="error",
+                    message=f"On rank {loss['rank']}: " + str(loss.get("message", "")),
+                    data={"grads_finite": True, "origin_rank": loss["rank"], "rank_relayed": True},
+                )
+            ]
         data = {k: v for k, v in other.items() if k != "message"}
         data["origin_rank"] = data.pop("rank")
         return [

@@ -585,6 +585,29 @@ def ddp_remainder(rank: int) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
+def ddp_ignored_targets(rank: int) -> dict[str, Any]:
+    """DDP classifier; at NAN_STEP every target of rank 1's batch is ignore_index (a fully padded batch):
+    cross_entropy's mean over zero elements is NaN there, with finite gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    console = text_console()
+    g = torch.Generator().manual_seed(rank)
+    with gradwatch.watch(model, opt, console=console) as gw:
+        for step in range(STEPS):
+            y = torch.randint(0, 3, (16,), generator=g)
+            if rank == 1 and step == NAN_STEP:
+                y[:] = -100
+            loss = nn.functional.cross_entropy(model(batch(step + 10 * rank, rank, bad=False)), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings], "console": console.file.getvalue()}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -605,6 +628,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_zero_grad_in_accumulation_synced": lambda r: ddp_accumulation(r, bug=True, no_sync=False, bucket_view=True),
     "ddp_accumulation": lambda r: ddp_accumulation(r, bug=False),
     "ddp_remainder": ddp_remainder,
+    "ddp_ignored_targets": ddp_ignored_targets,
     "ddp_accumulation_synced": lambda r: ddp_accumulation(r, bug=False, no_sync=False, bucket_view=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),

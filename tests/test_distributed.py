@@ -157,6 +157,17 @@ def test_zero_grad_inside_ddp_accumulation_is_flagged_on_both_ranks(
     assert kinds(r0) == kinds(r1) == found
 
 
+# A batch whose targets are all ignore_index on rank 1 (a padded last batch): NaN loss, finite gradients. Rank
+# zero, the rank that prints, said only "rank 1: a non-finite loss"; rank 1's own finding names the cause.
+def test_rank_zero_says_why_another_ranks_loss_alone_was_nan(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_ignored_targets")
+    (mine,) = [f for f in r1["findings"] if f["kind"] == "nonfinite_loss"]
+    (relayed,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_loss"]
+    assert relayed["step"] == mine["step"] == 3 and relayed["data"]["origin_rank"] == 1
+    assert relayed["message"] == "On rank 1: " + mine["message"]
+    assert "every target equal to ignore_index" in " ".join(r0["console"].replace("│", " ").split())  # printed
+
+
 # The epoch's remainder carried into the next epoch under DDP no_sync accumulation: the fix (also step on the
 # last batch) must also take that backward out of no_sync, or the ranks step on unsynced gradients.
 def test_ddp_accumulation_remainder_fix_says_the_last_backward_must_all_reduce(runs: list[dict[str, Any]]) -> None:
