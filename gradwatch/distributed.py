@@ -62,6 +62,9 @@ _OPEN_KEY = "gradwatch/open/{}"
 #: their own settings differ after one update; replicas never do).
 FINGERPRINTS = 2
 _VERDICT_KEY = "gradwatch/verdict/{}"
+#: Store key: how many watchers (of any model) a global rank has open. A rank with none of this model's but
+#: another one open watches another model: a pipeline stage, a model of its own.
+_ANY_KEY = "gradwatch/any/{}"
 _open_here: dict[str, list[str]] = {}
 
 
@@ -221,6 +224,7 @@ class RankAgreement:
             store = distributed_c10d._get_default_store()
             store.add(_LIVE_KEY.format(self._key, dist.get_rank()), 1)
             store.add(_OPEN_KEY.format(self._key), 1)
+            store.add(_ANY_KEY.format(dist.get_rank()), 1)
             self._store = store
         except Exception:  # noqa: BLE001 - no store (a custom backend): keep the agreement on, as before
             self._store = None
@@ -264,8 +268,19 @@ class RankAgreement:
                         "ranks checked their first step")
             else:
                 ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-                what = (f"{ranks} had no open gradwatch watcher of this model when the first step was checked "
-                        f"(none, one started more than {PEER_WAIT:g}s later, or one already closed)")
+                what = f"{ranks} had no open gradwatch watcher of this model when the first step was checked"
+                if missing and all(self._watches_another(r) for r in missing):
+                    # Every rank watches, each its own model: "watch on every rank" would be no advice.
+                    warnings.warn(
+                        f"gradwatch: {what}, but {'they watch' if len(missing) > 1 else 'it watches'} another model "
+                        "(a pipeline stage, a model of its own), so each rank decides alone on its own gradients (as "
+                        "with rank_agreement=False). Nothing to change for pipeline stages or per-rank models; for "
+                        "one model replicated on every rank (DDP), watch it on every rank, at the same point of the "
+                        "script, to keep every rank's skip decision the same.",
+                        stacklevel=2,
+                    )
+                    return False
+                what += f" (none, one started more than {PEER_WAIT:g}s later, or one already closed)"
             warnings.warn(
                 f"gradwatch: {what}, so each rank decides alone (as with rank_agreement=False): gradwatch's "
                 "per-step all_reduce would otherwise pair with one of DDP's or the user's on the other ranks. "
@@ -274,6 +289,13 @@ class RankAgreement:
                 stacklevel=2,
             )
         return not self._solo
+
+    def _watches_another(self, rank: int) -> bool:
+        """Whether ``rank`` has a watcher of some model open (read from the store; never raises)."""
+        try:
+            return self._store is not None and self._store.add(_ANY_KEY.format(rank), 0) > 0
+        except Exception:  # noqa: BLE001
+            return False
 
     def close(self) -> None:
         self._remove_spotter()
@@ -286,6 +308,7 @@ class RankAgreement:
         if store is not None and dist is not None:
             try:
                 store.add(_LIVE_KEY.format(self._key, dist.get_rank()), -1)
+                store.add(_ANY_KEY.format(dist.get_rank()), -1)
                 if store.add(_OPEN_KEY.format(self._key), -1) <= 0:
                     store.delete_key(_VERDICT_KEY.format(self._key))  # the next watcher of the name decides anew
             except Exception:  # noqa: BLE001 - the process group may be gone already

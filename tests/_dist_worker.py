@@ -608,6 +608,41 @@ def ddp_ignored_targets(rank: int) -> dict[str, Any]:
     return {"findings": [f.to_dict() for f in gw.findings], "console": console.file.getvalue()}
 
 
+def pipeline(rank: int) -> dict[str, Any]:
+    """A hand-written two-stage pipeline: rank 0 runs the encoder and sends its output, rank 1 the head and the
+    loss, and sends the activation's gradient back. Each rank watches its own stage."""
+    import warnings
+
+    import gradwatch.distributed as gd
+
+    torch.manual_seed(rank)
+    stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh()) if rank == 0 else nn.Linear(8, 1)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    wait, gd.PEER_WAIT = gd.PEER_WAIT, 1.0  # each stage's watcher waits for the other stage's model in vain
+    try:
+        with warnings.catch_warnings(record=True) as caught, gradwatch.watch(stage, opt, console=text_console()) as gw:
+            warnings.simplefilter("always")
+            for step in range(3):
+                opt.zero_grad()
+                if rank == 0:
+                    h = stage(batch(step, rank, bad=False))
+                    dist.send(h.detach(), 1)
+                    grad = torch.empty_like(h)
+                    dist.recv(grad, 1)
+                    h.backward(grad)
+                else:
+                    h = torch.empty(16, 8)
+                    dist.recv(h, 0)
+                    h.requires_grad_()
+                    stage(h).pow(2).mean().backward()
+                    dist.send(h.grad, 0)
+                opt.step()
+    finally:
+        gd.PEER_WAIT = wait
+    return {"findings": [f.to_dict() for f in gw.findings],
+            "warnings": [str(w.message) for w in caught if str(w.message).startswith("gradwatch")]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -651,6 +686,7 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_gather_nan": ddp_collective_nan,
     "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, backward_only=True),
     "ddp_powersgd_nan": ddp_powersgd_nan,
+    "pipeline": pipeline,
 }
 
 

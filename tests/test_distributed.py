@@ -315,7 +315,8 @@ COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist_collective"))
-    codes, logs = launch(tmp, "ddp_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan", timeout=COLLECTIVE_TIMEOUT)
+    names = "ddp_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
+    codes, logs = launch(tmp, names, timeout=COLLECTIVE_TIMEOUT)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
         logs
     )
@@ -347,6 +348,18 @@ def test_a_skipped_step_drops_powersgds_error_feedback_so_training_goes_on(
     assert r0["skipped"] == r1["skipped"] == 1
     assert [k for k in kinds(r0) if k[0] == "nonfinite_grad"] == [("nonfinite_grad", 3)]
     assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+
+
+# Pipeline stages on two ranks (forums: model parallel across processes with send/recv), each watched on its
+# rank: the warning told a user who watches on every rank to "watch on every rank".
+def test_pipeline_stages_watched_on_their_ranks_are_not_told_to_watch_on_every_rank(
+    collective_runs: list[dict[str, Any]],
+) -> None:
+    for r in scenario(collective_runs, "pipeline"):
+        (w,) = r["warnings"]
+        assert "it watches another model (a pipeline stage, a model of its own)" in w
+        assert "Nothing to change for pipeline stages" in w and "started more than" not in w
+        assert r["findings"] == []
 
 
 # -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------
