@@ -1322,8 +1322,8 @@ def _preserved(model: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-#: torch.distributed's collective and point-to-point calls (the module functions: DDP's own are not reached, as
-#: replays run the inner module). A replay runs on one rank: there a collective in the forward (a contrastive
+#: torch.distributed's collective and point-to-point calls, and its functional collectives (the module functions:
+#: DDP's own are not reached, as replays run the inner module). A replay runs on one rank: there a collective in the forward (a contrastive
 #: loss gathering embeddings, Lightning's ``self.all_gather``, a custom all_reduce) waits for ranks that run
 #: no replay, or pairs with another collective of theirs (gloo aborts the process on the size mismatch).
 _COLLECTIVES = (
@@ -1332,6 +1332,9 @@ _COLLECTIVES = (
     "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
     "reduce_scatter_tensor", "_reduce_scatter_base", "scatter", "scatter_object_list", "send", "recv", "isend",
     "irecv", "batch_isend_irecv",
+    # torch.distributed._functional_collectives (torchtitan, DTensor-free tensor parallelism)
+    "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd", "all_to_all_single_autograd",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "permute_tensor",
 )
 
 
@@ -1352,7 +1355,8 @@ def _no_collectives(owner: Any) -> Iterator[None]:
     if not several:
         yield
         return
-    modules = [m for m in (dist, sys.modules.get("torch.distributed.distributed_c10d")) if m is not None]
+    names = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives")
+    modules = [m for m in (dist, *map(sys.modules.get, names)) if m is not None]
     saved: list[tuple[Any, str, Any]] = []
 
     def blocked(name: str) -> Callable[..., Any]:

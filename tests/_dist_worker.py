@@ -497,32 +497,38 @@ class _AllReduceInBackward(torch.autograd.Function):
 
 
 class Contrastive(Net):
-    """Each rank's embeddings scored against every rank's (SimCLR/CLIP negatives gathered in forward), or, with
-    ``backward_only``, a collective in a backward function only."""
+    """Each rank's embeddings scored against every rank's (SimCLR/CLIP negatives gathered in forward, with
+    ``torch.distributed.nn`` or, ``how="funcol"``, a functional collective), or, ``how="backward"``, a collective
+    in a backward function only."""
 
-    def __init__(self, backward_only: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.backward_only = backward_only
+        self.how = how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         z = self.encoder(x)
-        if self.backward_only:
+        if self.how == "backward":
             return self.head(_AllReduceInBackward.apply(z))
-        import torch.distributed.nn.functional as dist_nn
+        if self.how == "funcol":
+            import torch.distributed._functional_collectives as funcol
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # all_gather's deprecation notice
-            everyone = torch.cat(dist_nn.all_gather(z), 0)
+            everyone = funcol.all_gather_tensor_autograd(z, 0, dist.group.WORLD)
+        else:
+            import torch.distributed.nn.functional as dist_nn
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # all_gather's deprecation notice
+                everyone = torch.cat(dist_nn.all_gather(z), 0)
         return self.head(z) + (z @ everyone.t()).mean(1, keepdim=True)
 
 
-def ddp_collective_nan(rank: int, backward_only: bool = False) -> dict[str, Any]:
+def ddp_collective_nan(rank: int, how: str = "gather") -> dict[str, Any]:
     """DDP over a model that runs a collective of its own (in forward, or in backward only); a NaN in one sample
     of rank 1's batch at NAN_STEP. Rank 0's inputs are finite, so it replays the step: alone."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    inner = Contrastive(backward_only)
+    inner = Contrastive(how)
     model = DDP(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     console = text_console()
@@ -684,7 +690,8 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     # Before replays ran no collective, rank 0's replay paired its all_gather with another collective of rank 1
     # (gloo aborted both processes) or waited for it.
     "ddp_gather_nan": ddp_collective_nan,
-    "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, backward_only=True),
+    "ddp_funcol_gather_nan": lambda r: ddp_collective_nan(r, how="funcol"),
+    "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, how="backward"),
     "ddp_powersgd_nan": ddp_powersgd_nan,
     "pipeline": pipeline,
 }

@@ -315,7 +315,7 @@ COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = str(tmp_path_factory.mktemp("dist_collective"))
-    names = "ddp_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
+    names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
     codes, logs = launch(tmp, names, timeout=COLLECTIVE_TIMEOUT)
     assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
         logs
@@ -326,7 +326,7 @@ def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 
 # A contrastive model gathering every rank's embeddings in forward (SimCLR/CLIP negatives, open_clip's
 # gather_features), a NaN in rank 1's batch: rank 0's replay ran all_gather alone and gloo aborted both ranks.
-@pytest.mark.parametrize("name", ["ddp_gather_nan", "ddp_backward_collective_nan"])
+@pytest.mark.parametrize("name", ["ddp_gather_nan", "ddp_funcol_gather_nan", "ddp_backward_collective_nan"])
 def test_a_replay_on_one_rank_runs_no_collective_of_the_model(collective_runs: list[dict[str, Any]], name: str) -> None:
     r0, r1 = scenario(collective_runs, name)
     assert r0["skipped"] == r1["skipped"] == 1
