@@ -62,6 +62,9 @@ _OPEN_KEY = "gradwatch/open/{}"
 #: their own settings differ after one update; replicas never do).
 FINGERPRINTS = 2
 _VERDICT_KEY = "gradwatch/verdict/{}"
+#: Store key: how many watchers (of any model) a global rank has open. A rank with none of this model's but
+#: another one open watches another model: a pipeline stage, a model of its own.
+_ANY_KEY = "gradwatch/any/{}"
 _open_here: dict[str, list[str]] = {}
 
 
@@ -221,6 +224,7 @@ class RankAgreement:
             store = distributed_c10d._get_default_store()
             store.add(_LIVE_KEY.format(self._key, dist.get_rank()), 1)
             store.add(_OPEN_KEY.format(self._key), 1)
+            store.add(_ANY_KEY.format(dist.get_rank()), 1)
             self._store = store
         except Exception:  # noqa: BLE001 - no store (a custom backend): keep the agreement on, as before
             self._store = None
@@ -264,8 +268,19 @@ class RankAgreement:
                         "ranks checked their first step")
             else:
                 ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-                what = (f"{ranks} had no open gradwatch watcher of this model when the first step was checked "
-                        f"(none, one started more than {PEER_WAIT:g}s later, or one already closed)")
+                what = f"{ranks} had no open gradwatch watcher of this model when the first step was checked"
+                if missing and all(self._watches_another(r) for r in missing):
+                    # Every rank watches, each its own model: "watch on every rank" would be no advice.
+                    warnings.warn(
+                        f"gradwatch: {what}, but {'they watch' if len(missing) > 1 else 'it watches'} another model "
+                        "(a pipeline stage, a model of its own), so each rank decides alone on its own gradients (as "
+                        "with rank_agreement=False). Nothing to change for pipeline stages or per-rank models; for "
+                        "one model replicated on every rank (DDP), watch it on every rank, at the same point of the "
+                        "script, to keep every rank's skip decision the same.",
+                        stacklevel=2,
+                    )
+                    return False
+                what += f" (none, one started more than {PEER_WAIT:g}s later, or one already closed)"
             warnings.warn(
                 f"gradwatch: {what}, so each rank decides alone (as with rank_agreement=False): gradwatch's "
                 "per-step all_reduce would otherwise pair with one of DDP's or the user's on the other ranks. "
@@ -274,6 +289,13 @@ class RankAgreement:
                 stacklevel=2,
             )
         return not self._solo
+
+    def _watches_another(self, rank: int) -> bool:
+        """Whether ``rank`` has a watcher of some model open (read from the store; never raises)."""
+        try:
+            return self._store is not None and self._store.add(_ANY_KEY.format(rank), 0) > 0
+        except Exception:  # noqa: BLE001
+            return False
 
     def close(self) -> None:
         self._remove_spotter()
@@ -286,10 +308,21 @@ class RankAgreement:
         if store is not None and dist is not None:
             try:
                 store.add(_LIVE_KEY.format(self._key, dist.get_rank()), -1)
+                store.add(_ANY_KEY.format(dist.get_rank()), -1)
                 if store.add(_OPEN_KEY.format(self._key), -1) <= 0:
                     store.delete_key(_VERDICT_KEY.format(self._key))  # the next watcher of the name decides anew
             except Exception:  # noqa: BLE001 - the process group may be gone already
                 pass
+
+    def _ddp_module(self) -> Any:
+        """The DDP module of the watched model (the model itself, or the wrapper seen running it), or None."""
+        return self._ddp or next((j for j in self._joinables if self._ddp_cls and isinstance(j, self._ddp_cls)), None)
+
+    def after_step(self, stats: StepStats, decision: str) -> None:
+        if decision == "skip":
+            ddp = self._ddp_module()
+            if ddp is not None:
+                _drop_comm_hook_memory(ddp)
 
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
@@ -297,7 +330,9 @@ class RankAgreement:
         dist = _dist()
         if dist is None or self.world < 2:
             return
-        ddp = self._ddp or next((j for j in self._joinables if self._ddp_cls and isinstance(j, self._ddp_cls)), None)
+        ddp = self._ddp_module()
+        if ddp is not None:
+            ctx.stats.extra["ddp"] = True  # for the checks' wording (accumulation_remainder's fix)
         if ddp is not None and getattr(ddp, "find_unused_parameters", False):
             # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
             ctx.stats.extra["unused_expected"] = True
@@ -554,10 +589,19 @@ class RankAgreement:
         if dist is None or self.world < 2 or self._solo:
             return []
         mine = next((f for f in findings if f.kind == "nan_origin" and f.data.get("phase")), None)
+        # A NaN/Inf loss whose gradients are finite has no origin to localize, but its own finding names the usual
+        # causes (every target equal to ignore_index on that rank's batch): rank zero would only say "a non-finite
+        # loss" of the other rank.
+        loss_only = next(
+            (f for f in findings if f.kind == "nonfinite_loss" and f.data.get("grads_finite") and not f.data.get("rank_relayed")),
+            None,
+        )
         summary = None
         if mine is not None:
             keys = ("phase", "op", "forward_op", "module", "source", "code")
             summary = {"rank": self.rank, "message": mine.message, **{k: mine.data.get(k) for k in keys}}
+        elif loss_only is not None:
+            summary = {"rank": self.rank, "message": loss_only.message, "loss_only": True}
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, summary, group=self.group)
@@ -566,9 +610,21 @@ class RankAgreement:
             return []
         if mine is not None:
             return []
-        other = next((o for o in out if isinstance(o, dict) and o.get("rank") != self.rank), None)
+        others = [o for o in out if isinstance(o, dict) and o.get("rank") != self.rank]
+        other = next((o for o in others if not o.get("loss_only")), None)
         if other is None:
-            return []
+            loss = next((o for o in others if o.get("loss_only")), None)
+            if loss is None or loss_only is not None:
+                return []  # this rank's own loss finding says it
+            return [
+                Finding(
+                    kind="nonfinite_loss",
+                    step=stats.step,
+                    severity="error",
+                    message=f"On rank {loss['rank']}: " + str(loss.get("message", "")),
+                    data={"grads_finite": True, "origin_rank": loss["rank"], "rank_relayed": True},
+                )
+            ]
         data = {k: v for k, v in other.items() if k != "message"}
         data["origin_rank"] = data.pop("rank")
         return [
@@ -738,6 +794,24 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def _inputs_text(inputs: list[Any]) -> str:
     return ", ".join(f"{n} ({a} NaN, {b} Inf)" for n, a, b in inputs)
+
+
+#: Memories a DDP communication hook keeps from one step's gradients to the next: PowerSGD's error feedback
+#: (the part of the gradient the low-rank approximation missed, added to the next step's) and its warm-start
+#: P and Q matrices (``PowerSGDState``; also the batched hook's).
+_HOOK_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _drop_comm_hook_memory(ddp: Any) -> None:
+    """After a skipped update: the hook made its memory from the step's non-finite gradients, and would add NaN
+    to every later step's (each skipped, until ``too_many_skips``). Dropped, as before compression starts: the
+    hook starts it again (zero error, new random Q from its own seeded generator). Every rank skips the same
+    step, so the replicas' hooks stay alike."""
+    for _hook, state in getattr(ddp, "_comm_hooks", None) or ():
+        for name in _HOOK_MEMORIES:
+            memory = getattr(state, name, None)
+            if isinstance(memory, dict):
+                memory.clear()
 
 
 def _ddp_class() -> Any:

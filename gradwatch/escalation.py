@@ -267,6 +267,8 @@ class Escalation:
         self._mark = -1
         self._handled: tuple[int, int] | None = None
         self._replaying = False
+        # The torch.distributed collective a replay stopped at (see _no_collectives), None when it ran through.
+        self._collective: str | None = None
         self._window_left = 0
         self._window_start: int | None = None
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -570,6 +572,7 @@ class Escalation:
             # parameters it would run collectives on this rank alone.
             return []
         out: list[Finding] = []
+        self._collective = None
         if self._handled == (stats.step, self._mark):
             return out  # a second optimizer of the same step: the first one's findings name the origin
         self._handled = (stats.step, self._mark)
@@ -645,7 +648,13 @@ class Escalation:
         if result is None and not bad_inputs and no_forward:
             out.append(_no_forward_finding(stats.step, self.model))
         note = None
-        if result is None and not bad_inputs:
+        if result is None and not bad_inputs and self._collective is not None:
+            note = (
+                f"The replay of this step stopped at torch.distributed.{self._collective} in the forward: a replay "
+                "runs on this rank alone, where a collective would wait for the other ranks or pair with another "
+                "of their collectives. The origin was not found before it. The next steps run escalated."
+            )
+        elif result is None and not bad_inputs:
             note = (
                 "The replay of this step's forward and backward on its inputs was finite: the non-finite "
                 "value did not come from the model's autograd graph on this batch (look at code that "
@@ -703,6 +712,8 @@ class Escalation:
                     yield call
                     return
         except Exception as exc:  # noqa: BLE001 - a failed screening: replay the held calls as they are
+            if self._collective is not None:
+                return  # the forward (or backward) runs a collective: no replay on this rank alone
             internal_warning("Escalation.replay", exc, owner=self.engine)
             yield from (c for c in sources[-MAX_GRADS:] if not any(c is s for s in suspects))
 
@@ -851,6 +862,7 @@ class Escalation:
             result.output_ok = torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
             if loc.origin is not None or (upstream_bad and loc.forward_finite):
                 return result
+        self._collective = None
         for src in self._replay_order():
             try:
                 if isinstance(src, _Batch):
@@ -858,8 +870,14 @@ class Escalation:
                 else:
                     result = self._replay_call(src)
             except Exception as exc:  # noqa: BLE001 - a failed replay must not fail the step
+                if self._collective is not None:
+                    return None  # stopped at a collective (see below)
                 internal_warning("Escalation.replay", exc, owner=self.engine)
                 continue
+            if self._collective is not None and result.loc.origin is None:
+                # Stopped at a collective before the origin: the rest of the replay is not known (not "finite"),
+                # and the other held calls run the same forward. Another rank may still name the origin.
+                return None
             if result.loc.origin is not None or result.upstream_bad or not result.loc.forward_finite:
                 self._culprit = src
                 if result.loc.origin is None and result.upstream_bad and result.loc.forward_finite:
@@ -990,7 +1008,10 @@ class Escalation:
                 warnings.simplefilter("ignore")  # torch's own "Gradients will be None", once more
                 args, kwargs = tree_map(_replay_input, (call.args, call.kwargs))
                 _set_rng_state(call.rng)
-                model(*args, **kwargs)
+                with _no_collectives(self):
+                    model(*args, **kwargs)
+        except _CollectiveInReplay:
+            pass  # the segments seen before the collective are reported
         finally:
             self._replaying = False
             if own is None:
@@ -1081,9 +1102,11 @@ class Escalation:
                 loc.start()
                 try:
                     output = model(*args, **kwargs)
+                except _CollectiveInReplay:
+                    output = None  # what the forward did before the collective is localized; no backward
                 finally:
                     loc.stop_forward()
-                leaves = list(enumerate(_output_leaves(output)))
+                leaves = list(enumerate(_output_leaves(output))) if output is not None else []
                 output_ok = _all_finite(
                     [t.detach() for _i, t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
                 )
@@ -1103,8 +1126,9 @@ class Escalation:
                 if targets and wrt:
                     try:
                         torch.autograd.grad(targets, wrt, grad_outputs, allow_unused=True)
-                    except RuntimeError as exc:
-                        anomaly_error = str(exc)
+                    except (RuntimeError, _CollectiveInReplay) as exc:
+                        # A collective in a backward function (an all_reduce in a custom Function) is no error.
+                        anomaly_error = None if self._collective is not None else str(exc)
             traceback = _anomaly_traceback(caught)
         _reemit_own_warnings(caught)
         try:
@@ -1138,6 +1162,8 @@ class Escalation:
                     loc.start()
                     try:
                         out = pl_module.training_step(batch, src.batch_idx)
+                    except _CollectiveInReplay:
+                        out = None  # self.all_gather: what training_step did before it is localized; no backward
                     finally:
                         loc.stop_forward()
                 loss = out.get("loss") if isinstance(out, dict) else out
@@ -1149,8 +1175,8 @@ class Escalation:
                 if losses and wrt:
                     try:
                         torch.autograd.grad(losses, wrt, [torch.ones_like(l) for l in losses], allow_unused=True)
-                    except RuntimeError as exc:
-                        anomaly_error = str(exc)
+                    except (RuntimeError, _CollectiveInReplay) as exc:
+                        anomaly_error = None if self._collective is not None else str(exc)
             traceback = _anomaly_traceback(caught)
         _reemit_own_warnings(caught)
         try:
@@ -1176,7 +1202,7 @@ class Escalation:
         self._replaying = True
         self.engine.replaying = True
         try:
-            with _checkpoint_not_reentrant():
+            with _checkpoint_not_reentrant(), _no_collectives(self):
                 yield
         finally:
             self._replaying = False
@@ -1341,6 +1367,63 @@ def _preserved(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+#: torch.distributed's collective and point-to-point calls, and its functional collectives (the module functions:
+#: DDP's own are not reached, as replays run the inner module). A replay runs on one rank: there a collective in the forward (a contrastive
+#: loss gathering embeddings, Lightning's ``self.all_gather``, a custom all_reduce) waits for ranks that run
+#: no replay, or pairs with another collective of theirs (gloo aborts the process on the size mismatch).
+_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+    "all_gather_object", "_all_gather_base", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "scatter", "scatter_object_list", "send", "recv", "isend",
+    "irecv", "batch_isend_irecv",
+    # torch.distributed._functional_collectives (torchtitan, DTensor-free tensor parallelism)
+    "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd", "all_to_all_single_autograd",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "permute_tensor",
+)
+
+
+class _CollectiveInReplay(Exception):
+    """A ``torch.distributed`` collective called within a replay (see :func:`_no_collectives`)."""
+
+
+@contextlib.contextmanager
+def _no_collectives(owner: Any) -> Iterator[None]:
+    """Within a replay under an initialized process group of several ranks, every collective of
+    ``torch.distributed`` raises :class:`_CollectiveInReplay` (its name kept in ``owner._collective``) instead of
+    communicating: the replay stops there. No-op otherwise."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        several = dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except Exception:  # noqa: BLE001 - a process group being torn down
+        several = False
+    if not several:
+        yield
+        return
+    names = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives")
+    modules = [m for m in (dist, *map(sys.modules.get, names)) if m is not None]
+    saved: list[tuple[Any, str, Any]] = []
+
+    def blocked(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            owner._collective = owner._collective or name
+            raise _CollectiveInReplay(name)
+
+        return call
+
+    for module in modules:
+        for name in _COLLECTIVES:
+            fn = module.__dict__.get(name)
+            if callable(fn):
+                saved.append((module, name, fn))
+                setattr(module, name, blocked(name))
+    try:
+        yield
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)
 
 
 @contextlib.contextmanager

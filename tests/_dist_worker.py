@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -481,6 +482,173 @@ def ddp_accumulation(rank: int, bug: bool, no_sync: bool = True, bucket_view: bo
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
+class _AllReduceInBackward(torch.autograd.Function):
+    """Identity forward, gradient all-reduced in backward (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class Contrastive(Net):
+    """Each rank's embeddings scored against every rank's (SimCLR/CLIP negatives gathered in forward, with
+    ``torch.distributed.nn`` or, ``how="funcol"``, a functional collective), or, ``how="backward"``, a collective
+    in a backward function only."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        z = self.encoder(x)
+        if self.how == "backward":
+            return self.head(_AllReduceInBackward.apply(z))
+        if self.how == "funcol":
+            import torch.distributed._functional_collectives as funcol
+
+            everyone = funcol.all_gather_tensor_autograd(z, 0, dist.group.WORLD)
+        else:
+            import torch.distributed.nn.functional as dist_nn
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # all_gather's deprecation notice
+                everyone = torch.cat(dist_nn.all_gather(z), 0)
+        return self.head(z) + (z @ everyone.t()).mean(1, keepdim=True)
+
+
+def ddp_collective_nan(rank: int, how: str = "gather") -> dict[str, Any]:
+    """DDP over a model that runs a collective of its own (in forward, or in backward only); a NaN in one sample
+    of rank 1's batch at NAN_STEP. Rank 0's inputs are finite, so it replays the step: alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Contrastive(how)
+    model = DDP(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    console = text_console()
+    with gradwatch.watch(model, opt, console=console) as gw:
+        for step in range(STEPS):
+            loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings], "params": flat_params(inner),
+            "skipped": gw.engine.steps_skipped, "console": console.file.getvalue()}
+
+
+def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
+    """DDP with the PowerSGD communication hook (error feedback and warm start, torch's defaults) from the second
+    step on; a NaN in one sample of rank 1's batch at NAN_STEP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = Net()
+    model = DDP(inner)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                   min_compression_rate=0.5)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    raised = None
+    with gradwatch.watch(model, opt, console=text_console(), max_skips=3) as gw:
+        try:
+            for step in range(STEPS + 2):
+                loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        except gradwatch.GradWatchError as exc:
+            raised = str(exc)[:300]
+    return {"findings": [f.to_dict() for f in gw.findings], "params": flat_params(inner),
+            "skipped": gw.engine.steps_skipped, "raised": raised}
+
+
+def ddp_remainder(rank: int) -> dict[str, Any]:
+    """DDP, 4 micro-batches per update (the first 3 under no_sync) over 10 batches per epoch, 3 epochs: the last 2
+    batches of each epoch are carried into the next epoch's first update."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    with gradwatch.watch(model, opt, console=text_console()) as gw:
+        for _ in range(3):
+            for i in range(10):
+                x = torch.randn(8, 4, generator=g)
+                with model.no_sync() if (i + 1) % 4 else contextlib.nullcontext():
+                    (model(x).pow(2).mean() / 4).backward()
+                if (i + 1) % 4 == 0:
+                    opt.step()
+                    opt.zero_grad()
+    return {"findings": [f.to_dict() for f in gw.findings]}
+
+
+def ddp_ignored_targets(rank: int) -> dict[str, Any]:
+    """DDP classifier; at NAN_STEP every target of rank 1's batch is ignore_index (a fully padded batch):
+    cross_entropy's mean over zero elements is NaN there, with finite gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    console = text_console()
+    g = torch.Generator().manual_seed(rank)
+    with gradwatch.watch(model, opt, console=console) as gw:
+        for step in range(STEPS):
+            y = torch.randint(0, 3, (16,), generator=g)
+            if rank == 1 and step == NAN_STEP:
+                y[:] = -100
+            loss = nn.functional.cross_entropy(model(batch(step + 10 * rank, rank, bad=False)), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"findings": [f.to_dict() for f in gw.findings], "console": console.file.getvalue()}
+
+
+def pipeline(rank: int) -> dict[str, Any]:
+    """A hand-written two-stage pipeline: rank 0 runs the encoder and sends its output, rank 1 the head and the
+    loss, and sends the activation's gradient back. Each rank watches its own stage."""
+    import warnings
+
+    import gradwatch.distributed as gd
+
+    torch.manual_seed(rank)
+    stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh()) if rank == 0 else nn.Linear(8, 1)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    wait, gd.PEER_WAIT = gd.PEER_WAIT, 1.0  # each stage's watcher waits for the other stage's model in vain
+    try:
+        with warnings.catch_warnings(record=True) as caught, gradwatch.watch(stage, opt, console=text_console()) as gw:
+            warnings.simplefilter("always")
+            for step in range(3):
+                opt.zero_grad()
+                if rank == 0:
+                    h = stage(batch(step, rank, bad=False))
+                    dist.send(h.detach(), 1)
+                    grad = torch.empty_like(h)
+                    dist.recv(grad, 1)
+                    h.backward(grad)
+                else:
+                    h = torch.empty(16, 8)
+                    dist.recv(h, 0)
+                    h.requires_grad_()
+                    stage(h).pow(2).mean().backward()
+                    dist.send(h.grad, 0)
+                opt.step()
+    finally:
+        gd.PEER_WAIT = wait
+    return {"findings": [f.to_dict() for f in gw.findings],
+            "warnings": [str(w.message) for w in caught if str(w.message).startswith("gradwatch")]}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "independent": independent,
     "post_local_sgd": post_local_sgd,
@@ -500,6 +668,8 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_zero_grad_in_accumulation": lambda r: ddp_accumulation(r, bug=True),
     "ddp_zero_grad_in_accumulation_synced": lambda r: ddp_accumulation(r, bug=True, no_sync=False, bucket_view=True),
     "ddp_accumulation": lambda r: ddp_accumulation(r, bug=False),
+    "ddp_remainder": ddp_remainder,
+    "ddp_ignored_targets": ddp_ignored_targets,
     "ddp_accumulation_synced": lambda r: ddp_accumulation(r, bug=False, no_sync=False, bucket_view=True),
     "fsdp": lambda r: fsdp(r, nan=False),
     "fsdp_nan": lambda r: fsdp(r, nan=True),
@@ -517,6 +687,13 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     "join_nan": lambda r: join_uneven(r, "ddp", nan=True),
     "probe_on_rank0": probe_on_rank0,
     "late_watcher": late_watcher,
+    # Before replays ran no collective, rank 0's replay paired its all_gather with another collective of rank 1
+    # (gloo aborted both processes) or waited for it.
+    "ddp_gather_nan": ddp_collective_nan,
+    "ddp_funcol_gather_nan": lambda r: ddp_collective_nan(r, how="funcol"),
+    "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, how="backward"),
+    "ddp_powersgd_nan": ddp_powersgd_nan,
+    "pipeline": pipeline,
 }
 
 

@@ -157,6 +157,26 @@ def test_zero_grad_inside_ddp_accumulation_is_flagged_on_both_ranks(
     assert kinds(r0) == kinds(r1) == found
 
 
+# A batch whose targets are all ignore_index on rank 1 (a padded last batch): NaN loss, finite gradients. Rank
+# zero, the rank that prints, said only "rank 1: a non-finite loss"; rank 1's own finding names the cause.
+def test_rank_zero_says_why_another_ranks_loss_alone_was_nan(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "ddp_ignored_targets")
+    (mine,) = [f for f in r1["findings"] if f["kind"] == "nonfinite_loss"]
+    (relayed,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_loss"]
+    assert relayed["step"] == mine["step"] == 3 and relayed["data"]["origin_rank"] == 1
+    assert relayed["message"] == "On rank 1: " + mine["message"]
+    assert "every target equal to ignore_index" in " ".join(r0["console"].replace("│", " ").split())  # printed
+
+
+# The epoch's remainder carried into the next epoch under DDP no_sync accumulation: the fix (also step on the
+# last batch) must also take that backward out of no_sync, or the ranks step on unsynced gradients.
+def test_ddp_accumulation_remainder_fix_says_the_last_backward_must_all_reduce(runs: list[dict[str, Any]]) -> None:
+    for r in scenario(runs, "ddp_remainder"):
+        (f,) = r["findings"]
+        assert (f["kind"], f["step"]) == ("accumulation_remainder", 2)
+        assert "Under DDP, the same condition must leave that last backward outside model.no_sync()" in f["message"]
+
+
 @pytest.mark.parametrize("which", ["ddp_unused_wrapped", "ddp_unused_inner"])
 def test_ddp_unused_parameters_are_named_by_their_module_path(runs: list[dict[str, Any]], which: str) -> None:
     r0, r1 = scenario(runs, which)
@@ -286,6 +306,60 @@ def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: li
     assert ("nonfinite_grad", 1) in kinds(r1)
     assert r0["params"] == r1["params"]  # the join's final sync from rank 0, which skipped its NaN step
     assert all(math.isfinite(v) for v in r0["params"])
+
+
+# -- a model that runs collectives of its own: the replay on one rank runs none -----------------------------
+COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("dist_collective"))
+    names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
+    codes, logs = launch(tmp, names, timeout=COLLECTIVE_TIMEOUT)
+    assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
+        logs
+    )
+    assert "GradWatchInternalWarning" not in logs[0] + logs[1], "\n".join(logs)
+    return read_runs(tmp)
+
+
+# A contrastive model gathering every rank's embeddings in forward (SimCLR/CLIP negatives, open_clip's
+# gather_features), a NaN in rank 1's batch: rank 0's replay ran all_gather alone and gloo aborted both ranks.
+@pytest.mark.parametrize("name", ["ddp_gather_nan", "ddp_funcol_gather_nan", "ddp_backward_collective_nan"])
+def test_a_replay_on_one_rank_runs_no_collective_of_the_model(collective_runs: list[dict[str, Any]], name: str) -> None:
+    r0, r1 = scenario(collective_runs, name)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+    (f,) = [f for f in r0["findings"] if f["kind"] == "nonfinite_input"]
+    assert f["step"] == 3 and f["data"]["ranks"] == [1]
+    assert "The data on rank 1, not the model, is the cause" in r0["console"]
+    assert not [f for f in r0["findings"] if f["kind"] == "nan_origin"]  # no origin made up from a cut replay
+
+
+# DDP with the PowerSGD hook (torch's DDP communication hooks docs), a NaN in rank 1's batch: the hook's
+# error-feedback memory kept the NaN gradient's residual and put NaN into every later step (skipped until
+# too_many_skips raised). A skipped step now drops that memory on every rank.
+def test_a_skipped_step_drops_powersgds_error_feedback_so_training_goes_on(
+    collective_runs: list[dict[str, Any]],
+) -> None:
+    r0, r1 = scenario(collective_runs, "ddp_powersgd_nan")
+    assert r0["raised"] is None and r1["raised"] is None
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert [k for k in kinds(r0) if k[0] == "nonfinite_grad"] == [("nonfinite_grad", 3)]
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+
+
+# Pipeline stages on two ranks (forums: model parallel across processes with send/recv), each watched on its
+# rank: the warning told a user who watches on every rank to "watch on every rank".
+def test_pipeline_stages_watched_on_their_ranks_are_not_told_to_watch_on_every_rank(
+    collective_runs: list[dict[str, Any]],
+) -> None:
+    for r in scenario(collective_runs, "pipeline"):
+        (w,) = r["warnings"]
+        assert "it watches another model (a pipeline stage, a model of its own)" in w
+        assert "Nothing to change for pipeline stages" in w and "started more than" not in w
+        assert r["findings"] == []
 
 
 # -- FSDP2 (fully_shard): DTensor gradients ---------------------------------------------------------------

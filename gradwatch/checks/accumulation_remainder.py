@@ -79,6 +79,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     first, second, k, n = found
     r, period = n - k, second - first
+    # Under DDP the step condition usually also decides which backward runs outside model.no_sync(): changing one
+    # without the other steps on gradients that were never all-reduced, and the replicas drift apart.
+    ddp = (
+        " Under DDP, the same condition must leave that last backward outside model.no_sync() (so it all-reduces "
+        "the accumulated gradients), or each rank steps on its own gradients and the replicas diverge."
+        if stats.extra.get("ddp")
+        else ""
+    )
     others = "the run's first update" if period == 1 else "every other update"
     return [
         Finding(
@@ -96,6 +104,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 f"Fix: also step on the epoch's last batch: `if (i + 1) % {k} == 0 or i + 1 == len(loader):` "
                 f"(its loss divided by {r}, not {k}); or call optimizer.zero_grad() at the start of each epoch to "
                 f"drop the remainder; or DataLoader(drop_last=True) with a batch count divisible by {k}."
+                + ddp
             ),
             data={"optimizer": i, "micro_batches": n, "usual": k, "period": period, "steps": [first, second]},
         )
