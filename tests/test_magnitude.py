@@ -782,14 +782,16 @@ class _TinyGPT(nn.Module):
 # rate starts 100x its peak ("loss explodes then stays at ln(vocab)" reports); the loss is thrown up 1e9x, then
 # x.pow(2) in the RMSNorms overflows, rsqrt(inf) = 0 zeroes every activation and every gradient: the loss falls
 # back to ln(50) and stays there, which the "stays up" test alone never saw.
-def test_a_loss_thrown_up_that_then_dies_with_every_gradient_zero_is_diverging() -> None:
+def _tiny_gpt_run(
+    opt_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], lr_lambda: Callable[[int], float], steps: int
+) -> gradwatch.Watcher:
     torch.manual_seed(0)
     model = _TinyGPT()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(1.0, 100 / (s + 1)))
+    opt = opt_fn(list(model.parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     g = torch.Generator().manual_seed(3)
     with gradwatch.watch(model, opt, console=False) as gw:
-        for _ in range(12):
+        for _ in range(steps):
             t = torch.randint(1, 50, (4, 17), generator=g)
             loss = nn.functional.cross_entropy(model(t[:, :-1]).reshape(-1, 50), t[:, 1:].reshape(-1))
             gw.observe_loss(loss)
@@ -797,6 +799,12 @@ def test_a_loss_thrown_up_that_then_dies_with_every_gradient_zero_is_diverging()
             loss.backward()
             opt.step()
             sched.step()
+    return gw
+
+
+def test_a_loss_thrown_up_that_then_dies_with_every_gradient_zero_is_diverging() -> None:
+    # An inverted warm-up: SGD starts at 100x its peak learning rate.
+    gw = _tiny_gpt_run(lambda ps: torch.optim.SGD(ps, lr=1.0), lambda s: max(1.0, 100 / (s + 1)), 12)
     found = [f for f in gw.findings if f.kind == "loss_diverging"]
     assert [(f.step, f.severity) for f in found] == [(6, "warning")], [(f.kind, f.step) for f in gw.findings]
     assert found[0].data["died"] and found[0].data["ratio"] > 1e6
@@ -804,20 +812,7 @@ def test_a_loss_thrown_up_that_then_dies_with_every_gradient_zero_is_diverging()
 
 
 def test_the_tiny_gpt_at_a_sane_learning_rate_with_warm_up_is_silent() -> None:
-    torch.manual_seed(0)
-    model = _TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    g = torch.Generator().manual_seed(3)
-    with gradwatch.watch(model, opt, console=False) as gw:
-        for _ in range(40):
-            t = torch.randint(1, 50, (4, 17), generator=g)
-            loss = nn.functional.cross_entropy(model(t[:, :-1]).reshape(-1, 50), t[:, 1:].reshape(-1))
-            gw.observe_loss(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+    gw = _tiny_gpt_run(lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda s: min(1.0, (s + 1) / 10), 40)
     assert gw.findings == []
 
 
