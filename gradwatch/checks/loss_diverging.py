@@ -17,6 +17,7 @@ a norm overflows and rsqrt(inf) = 0 zeroes the activations). Its loss looks calm
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from gradwatch.config import Config
@@ -71,7 +72,7 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
     # Thrown up, not grown: some checked step jumped JUMP x over the one before (a loss whose scale grows
     # with a curriculum or a target amplitude climbs smoothly).
     seq = [*history.losses, stats.loss]
-    if not any(b > JUMP * a for a, b in zip(seq, seq[1:]) if a > 0):
+    if not any(b > JUMP * a for a, b in itertools.pairwise(seq) if a > 0):
         return None
     return start, level, len(recent)
 
@@ -95,7 +96,7 @@ def _died(stats: StepStats, history: History) -> tuple[float, float] | None:
     seq = [*history.losses, stats.loss]
     peak = max(seq)
     at = seq.index(peak)
-    if not peak > PEAK * start or not any(b > JUMP * a for a, b in zip(seq[:at], seq[1 : at + 1]) if a > 0):
+    if not peak > PEAK * start or not any(b > JUMP * a for a, b in itertools.pairwise(seq[: at + 1]) if a > 0):
         return None
     return start, peak
 
