@@ -250,12 +250,15 @@ UNEVEN_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 
 @pytest.fixture(scope="module")
 def uneven_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = str(tmp_path_factory.mktemp("dist_uneven"))
     names = "join_unwatched,join_ddp,join_inner,join_nan,rank0_only,probe_on_rank0,late_watcher"
-    codes, logs = launch(tmp, names, timeout=UNEVEN_TIMEOUT)
-    assert codes == [0, 0], f"a rank failed or hung (None = killed after {UNEVEN_TIMEOUT}s): {codes}\n" + "\n".join(
-        logs
-    )
+    return _group_runs(tmp_path_factory, "dist_uneven", names, UNEVEN_TIMEOUT)
+
+
+def _group_runs(factory: pytest.TempPathFactory, label: str, names: str, timeout: int) -> list[dict[str, Any]]:
+    """Run the worker's scenarios ``names`` on two ranks; both must exit cleanly with no internal warning."""
+    tmp = str(factory.mktemp(label))
+    codes, logs = launch(tmp, names, timeout=timeout)
+    assert codes == [0, 0], f"a rank failed or hung (None = killed after {timeout}s): {codes}\n" + "\n".join(logs)
     assert "GradWatchInternalWarning" not in logs[0] + logs[1], "\n".join(logs)
     return read_runs(tmp)
 
@@ -314,14 +317,8 @@ COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
 
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = str(tmp_path_factory.mktemp("dist_collective"))
     names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
-    codes, logs = launch(tmp, names, timeout=COLLECTIVE_TIMEOUT)
-    assert codes == [0, 0], f"a rank failed or hung (None = killed after {COLLECTIVE_TIMEOUT}s): {codes}\n" + "\n".join(
-        logs
-    )
-    assert "GradWatchInternalWarning" not in logs[0] + logs[1], "\n".join(logs)
-    return read_runs(tmp)
+    return _group_runs(tmp_path_factory, "dist_collective", names, COLLECTIVE_TIMEOUT)
 
 
 # A contrastive model gathering every rank's embeddings in forward (SimCLR/CLIP negatives, open_clip's
