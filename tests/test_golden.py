@@ -15,6 +15,7 @@ column widths), while the words, the steps and the places must not.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 from collections.abc import Callable
@@ -48,7 +49,7 @@ def console(width: int = WIDTH) -> Console:
 
 
 _TITLE = re.compile(r"gradwatch (?:info|warning|error): \w+ at step \d+(?: \(\+\d+ related\))?")
-_RELATED = re.compile(r"^│ (- \w+): ", flags=re.M)
+_RELATED = re.compile(r"^│ (- \w+): ", flags=re.MULTILINE)
 
 
 def panels(text: str) -> list[str]:
@@ -97,7 +98,7 @@ def batches(n: int, shape: tuple[int, ...] = (8, 8), seed: int = 0) -> list[torc
 def mlp(*sizes: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for a, b in zip(sizes, sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), act()]
     return nn.Sequential(*layers[:-1])
 
