@@ -12,6 +12,7 @@ Example:
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
+from gradwatch.gradcheck import GradcheckResult, gradcheck
 from gradwatch.report import GradWatchInternalWarning
 from gradwatch.summary import RunSummary
 from gradwatch.watch import Watcher, watch
@@ -23,8 +24,10 @@ __all__ = [
     "Finding",
     "GradWatchError",
     "GradWatchInternalWarning",
+    "GradcheckResult",
     "RunSummary",
     "Watcher",
+    "gradcheck",
     "watch",
     "__version__",
 ]
