@@ -58,6 +58,14 @@ SKIP_REASONS: dict[str, str] = {
     "forward_failed": "its forward fails on float64 copies of its inputs ({error})",
     "backward_failed": "its backward fails on float64 copies of its inputs ({error})",
     "nonfinite": "its output on these inputs holds NaN/Inf, where no gradient can be compared",
+    "identity": (
+        "its forward returns its input unchanged (x.view_as(x), x.clone()) and its backward does not: a gradient "
+        "modifier by design (gradient reversal, scaling, clipping)"
+    ),
+    "flat": (
+        "its forward is flat in `{name}` where checked (round, sign, a threshold): its backward for `{name}` is a "
+        "surrogate (straight-through) gradient by design"
+    ),
 }
 
 
@@ -103,6 +111,7 @@ class InputCheck:
     numerical: float
     returned_none: bool
     ok: bool
+    flat: int = 0  # positions where the forward is exactly flat and the backward is not: surrogate, not compared
 
 
 @dataclass
@@ -207,6 +216,11 @@ def check_model(
             result.skipped.append(Skipped(call.name, call.source, call.module, outcome))
             continue
         result.checked.append(call.name)
+        result.skipped += [
+            Skipped(f"{call.name} (input `{c.name}`)", call.source, call.module, SKIP_REASONS["flat"].format(name=c.name))
+            for c in outcome
+            if c.flat == c.positions
+        ]
         if not all(c.ok for c in outcome):
             result.findings.append(_finding(call, outcome, step))
     return result
@@ -352,10 +366,10 @@ def _check_call(call: FunctionCall) -> list[InputCheck] | str:
             return SKIP_REASONS["backward_failed"].format(error=_short(exc))
         probe = _Probe(call.cls, args, kwargs, [i for i, o in enumerate(outs) if any(o is d for d in diff)], v)
         names = _input_names(call.cls, len(args))
-        return [
-            _check_input(probe, i, names[i], g, gen)
-            for i, g in zip(wrt, grads)
-        ]
+        checks = [_check_input(probe, i, names[i], g, gen) for i, g in zip(wrt, grads)]
+    if not all(c.ok for c in checks) and _passes_input_through(outs, args):
+        return SKIP_REASONS["identity"]  # a ReLU fed positive values passes too, and is checked when right
+    return checks
 
 
 def _analytic_forward(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrt: list[int]) -> tuple[Any, Any]:
@@ -383,6 +397,13 @@ def _output_reason(outs: list[Any]) -> str | None:
     if not all(bool(torch.isfinite(o).all()) for o in diff):
         return SKIP_REASONS["nonfinite"]
     return None
+
+
+def _passes_input_through(outs: list[Any], args: tuple[Any, ...]) -> bool:
+    """Whether every differentiable output equals an input (gradient reversal's ``x.view_as(x)``)."""
+    diff = [o.detach() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    return all(any(a.shape == o.shape and torch.equal(a, o) for a in inputs) for o in diff)
 
 
 class _Probe:
@@ -414,41 +435,51 @@ def _check_input(probe: _Probe, i: int, name: str, grad: torch.Tensor | None, ge
     positions = _positions(flat, gen)
     a = [float(flat[j]) for j in positions]
     errs = [_error(probe, i, j, aj, STEPS[0]) for j, aj in zip(positions, a)]
-    ref = max((s for _e, s, _n in errs), default=0.0)
+    ref = max((e[1] for e in errs), default=0.0)
     rows = []
-    for j, aj, (err, scale, num) in zip(positions, a, errs):
-        if err > RTOL * scale + ATOL_FRACTION * ref + 1e-12:
-            err, scale, num = min((err, scale, num), _error(probe, i, j, aj, STEPS[1]))
-        rows.append((err, scale, num, aj, err <= RTOL * scale + ATOL_FRACTION * ref + 1e-12))
-    worst = max(rows, key=lambda r: (not r[4], r[0]))
+    for j, aj, first in zip(positions, a, errs):
+        worst = first if _bad(first, ref) else None
+        if worst is not None:
+            worst = min(first, _error(probe, i, j, aj, STEPS[1]))
+        rows.append((worst or first, worst is not None and _bad(worst, ref), aj))
+    top = max(rows, key=lambda r: (r[1], r[0][0]))
     return InputCheck(
         index=i,
         name=name,
         positions=len(positions),
-        max_abs_err=max(r[0] for r in rows),
-        max_rel_err=max(_rel(r[0], r[1]) for r in rows),
-        analytical=worst[3],
-        numerical=worst[2],
+        max_abs_err=max(r[0][0] for r in rows),
+        max_rel_err=max(_rel(r[0][0], r[0][1]) for r in rows),
+        analytical=top[2],
+        numerical=top[0][2],
         returned_none=grad is None,
-        ok=all(r[4] for r in rows),
+        ok=not any(r[1] for r in rows),
+        flat=sum(1 for r in rows if r[0][3]),
     )
 
 
-def _error(probe: _Probe, i: int, j: int, a: float, eps: float) -> tuple[float, float, float]:
-    """(distance of ``a`` from the one-sided finite differences' interval, scale, central difference).
+def _bad(err: tuple[float, float, float, bool], ref: float) -> bool:
+    return err[0] > RTOL * err[1] + ATOL_FRACTION * ref + 1e-12
+
+
+def _error(probe: _Probe, i: int, j: int, a: float, eps: float) -> tuple[float, float, float, bool]:
+    """(distance of ``a`` from the one-sided finite differences' interval, scale, central difference, flat).
 
     The interval, not the central difference alone: at a kink (relu at 0, max with ties) the two one-sided
-    derivatives differ and a correct backward may return either, or anything between."""
-    up = probe(i, j, eps) / eps
-    down = -probe(i, j, -eps) / eps
+    derivatives differ and a correct backward may return either, or anything between. Where the forward is
+    exactly flat on both sides and the backward is not (a straight-through estimator: round, sign, a clamp
+    passed through) the backward is a surrogate by design: ``flat``, no error."""
+    step = eps * max(1.0, abs(float(probe.args[i].reshape(-1)[j])))  # relative to a large |x|: above rounding
+    up = probe(i, j, step) / step
+    down = -probe(i, j, -step) / step
     lo, hi = min(up, down), max(up, down)
     central = (up + down) / 2
-    finite = all(map(_finite, (up, down)))
-    if not finite:
-        return 0.0, 0.0, central  # the forward leaves its domain here: no comparison
+    if not (_finite(up) and _finite(down)):
+        return 0.0, 0.0, central, False  # the forward leaves its domain here: no comparison
     if not _finite(a):
-        return float("inf"), max(abs(lo), abs(hi)), central
-    return max(lo - a, a - hi, 0.0), max(abs(a), abs(lo), abs(hi)), central
+        return float("inf"), max(abs(lo), abs(hi)), central, False
+    if up == 0.0 and down == 0.0 and a != 0.0:
+        return 0.0, 0.0, central, True
+    return max(lo - a, a - hi, 0.0), max(abs(a), abs(lo), abs(hi)), central, False
 
 
 def _positions(flat: torch.Tensor, gen: torch.Generator) -> list[int]:
