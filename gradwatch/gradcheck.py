@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import linecache
+import math
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +59,7 @@ SKIP_REASONS: dict[str, str] = {
     "not_float64": "its forward returns {dtype} for float64 inputs: finite differences would measure rounding",
     "forward_failed": "its forward fails on float64 copies of its inputs ({error})",
     "backward_failed": "its backward fails on float64 copies of its inputs ({error})",
+    "check_failed": "re-running it alone failed ({error})",
     "nonfinite": "its output on these inputs holds NaN/Inf, where no gradient can be compared",
     "identity": (
         "its forward returns its input unchanged (x.view_as(x), x.clone()) and its backward does not: a gradient "
@@ -211,19 +214,23 @@ def check_model(
     captured = _capture(_eager(model), batches, loss_fn)
     result = GradcheckResult()
     for call in captured:
-        outcome = _check_call(call)
+        try:
+            outcome = _check_call(call)
+        except Exception as exc:  # noqa: BLE001 - the user's Function misbehaving alone: a reason, not a crash
+            outcome = SKIP_REASONS["check_failed"].format(error=_short(exc))
         if isinstance(outcome, str):
             result.skipped.append(Skipped(call.name, call.source, call.module, outcome))
             continue
         result.checked.append(call.name)
-        result.skipped += [
-            Skipped(f"{call.name} (input `{c.name}`)", call.source, call.module, SKIP_REASONS["flat"].format(name=c.name))
-            for c in outcome
-            if c.flat == c.positions
-        ]
+        result.skipped += [_flat_input(call, c) for c in outcome if c.positions and c.flat == c.positions]
         if not all(c.ok for c in outcome):
             result.findings.append(_finding(call, outcome, step))
     return result
+
+
+def _flat_input(call: FunctionCall, check: InputCheck) -> Skipped:
+    reason = SKIP_REASONS["flat"].format(name=check.name)
+    return Skipped(f"{call.name} (input `{check.name}`)", call.source, call.module, reason)
 
 
 # -- capture ------------------------------------------------------------------------------------------
@@ -433,6 +440,8 @@ def _check_input(probe: _Probe, i: int, name: str, grad: torch.Tensor | None, ge
     analytic = torch.zeros_like(x) if grad is None else grad.detach()
     flat = analytic.reshape(-1)
     positions = _positions(flat, gen)
+    if not positions:  # an empty input
+        return InputCheck(i, name, 0, 0.0, 0.0, 0.0, 0.0, returned_none=grad is None, ok=True)
     a = [float(flat[j]) for j in positions]
     errs = [_error(probe, i, j, aj, STEPS[0]) for j, aj in zip(positions, a)]
     ref = max((e[1] for e in errs), default=0.0)
@@ -526,7 +535,7 @@ def _seeded() -> Iterator[None]:
 
 
 def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+    return math.isfinite(x)
 
 
 def _rel(err: float, scale: float) -> float:
@@ -601,4 +610,4 @@ def _row(c: InputCheck) -> dict[str, Any]:
     }
 
 
-__all__ = ["GradcheckResult", "Skipped", "gradcheck", "KIND", "SKIP_REASONS"]
+__all__ = ["KIND", "SKIP_REASONS", "GradcheckResult", "Skipped", "gradcheck"]

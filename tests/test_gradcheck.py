@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import panels
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from conftest import panels
 
 import gradwatch
 from gradwatch.gradcheck import SKIP_REASONS
@@ -71,8 +70,8 @@ class Mul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        a, b = ctx.saved_tensors
-        return grad * b, grad * b
+        _a, b = ctx.saved_tensors
+        return grad * b, grad * b  # the second should be grad * a
 
 
 class ScaledSoftmax(torch.autograd.Function):
@@ -487,6 +486,18 @@ def test_gw_gradcheck_between_steps_and_before_any_step() -> None:
     assert [f.kind for f in gw.findings] == []  # its own forward calls were not taken for steps
 
 
+def test_gw_gradcheck_without_escalation_asks_for_a_batch() -> None:
+    gw = _loop(net(Apply(Cube)), 2, escalate=False)
+    with pytest.raises(RuntimeError, match=r"escalate=True .* gw.gradcheck\(x\)"):
+        gw.gradcheck()
+    assert not gw.gradcheck(batch()).ok
+
+
+def test_an_empty_input_is_checked_without_positions() -> None:
+    result = gradwatch.gradcheck(net(Apply(GoodCube)), torch.zeros(0, 4))
+    assert result.ok and result.checked == ["GoodCube"], str(result)
+
+
 def test_gw_gradcheck_does_not_change_the_training_that_follows() -> None:
     def run(check: bool) -> list[torch.Tensor]:
         model = net(Apply(GoodCube), nn.Dropout(0.2))
@@ -555,10 +566,10 @@ def test_a_bad_backward_finding_round_trips_through_json() -> None:
 
 def test_the_docs_page_example_runs_as_written(capsys: Any) -> None:
     text = (ROOT / "docs" / "gradcheck.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert blocks
     for code in blocks:
-        exec(compile(code, "docs/gradcheck.md", "exec"), {"__name__": "__main__"})
+        exec(compile(code, "docs/gradcheck.md", "exec"), {"__name__": "__main__"})  # noqa: S102 - our own docs
     assert "bad_backward CubeBackward ['x']" in capsys.readouterr().out
 
 
