@@ -418,21 +418,19 @@ class _Probe:
 
     def __init__(self, cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out_index: list[int], v: list[Any]):
         self.cls, self.args, self.kwargs, self.out_index, self.v = cls, args, kwargs, out_index, v
-        self.base = self._outputs(args)
+        self.base = self._outputs(_fresh(args))
 
     def _outputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
         with torch.no_grad(), _seeded():
-            out = self.cls.apply(*_fresh(args), **_fresh(self.kwargs))
+            out = self.cls.apply(*args, **_fresh(self.kwargs))
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         return [out[i] for i in self.out_index]
 
     def __call__(self, i: int, j: int, delta: float) -> float:
-        args = list(self.args)
-        moved = args[i].clone()
-        moved.view(-1)[j] += delta
-        args[i] = moved
-        outs = self._outputs(tuple(args))
-        return float(sum(((o - b) * v).sum() for o, b, v in zip(outs, self.base, self.v)))
+        args = _fresh(self.args)  # contiguous copies (see _float64): view(-1) writes into the tensor itself
+        args[i].view(-1)[j] += delta
+        outs = self._outputs(args)
+        return float(sum(torch.dot((o - b).reshape(-1), v.reshape(-1)) for o, b, v in zip(outs, self.base, self.v)))
 
 
 def _check_input(probe: _Probe, i: int, name: str, grad: torch.Tensor | None, gen: torch.Generator) -> InputCheck:
@@ -517,7 +515,7 @@ def _input_names(cls: Any, count: int) -> list[str]:
 
 def _float64(v: Any) -> Any:
     if isinstance(v, torch.Tensor) and v.is_floating_point():
-        return v.to(torch.float64)
+        return v.to(torch.float64).contiguous()
     return v
 
 

@@ -575,3 +575,29 @@ def test_the_docs_page_example_runs_as_written(capsys: Any) -> None:
 
 def test_torch_functional_is_not_a_custom_function() -> None:
     assert gradwatch.gradcheck(net(), batch(), loss_fn=lambda out: F.mse_loss(out, out.detach() + 1)).checked == []
+
+
+class TransposedMatMul(torch.autograd.Function):
+    """x @ w.t() taking w as a transposed (non-contiguous) view; the backward for w is not transposed back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, wt)
+        return x @ wt
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, wt = ctx.saved_tensors
+        return grad @ wt.t(), (x.t() @ grad).t()
+
+
+def test_non_contiguous_inputs_are_perturbed_where_they_are_read() -> None:
+    class Lin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return TransposedMatMul.apply(h.t().contiguous().t(), self.w.t())
+
+    assert wrong(gradwatch.gradcheck(net(Lin()), batch())) == [("TransposedMatMulBackward", "1", ["wt"])]
