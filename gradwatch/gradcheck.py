@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import Function, _is_setup_context_defined
+from torch.autograd.function import Function
 from torch.utils._pytree import tree_map
 
 from gradwatch.findings import Finding, _panel
@@ -507,10 +507,15 @@ def _input_names(cls: Any, count: int) -> list[str]:
         params = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
         params = []
-    if params and not _is_setup_context_defined(cls.setup_context):
+    if params and not _has_setup_context(cls):
         params = params[1:]  # ctx
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return [names[i] if i < len(names) else f"input {i}" for i in range(count)]
+
+
+def _has_setup_context(cls: Any) -> bool:
+    """A Function in the ``forward(*inputs)`` + ``setup_context(ctx, inputs, output)`` style (no ctx in forward)."""
+    return any("setup_context" in vars(c) for c in cls.__mro__ if not c.__module__.startswith("torch"))
 
 
 def _float64(v: Any) -> Any:
