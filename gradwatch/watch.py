@@ -12,7 +12,7 @@ import functools
 import sys
 import types
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
+
+if TYPE_CHECKING:
+    from gradwatch.gradcheck import GradcheckResult
 
 # optimizer -> its watcher, both weakly (a strong value would keep its own key, the optimizer, alive).
 _WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Watcher]] = weakref.WeakKeyDictionary()
@@ -163,7 +166,7 @@ class Watcher:
     def summary(self) -> RunSummary:
         return self.engine.summary()
 
-    def gradcheck(self, *example_inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> Any:
+    def gradcheck(self, *example_inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> GradcheckResult:
         """Check every custom ``torch.autograd.Function`` of the last step against finite differences.
 
         Without ``example_inputs``, on the batch the last step's forward got (call it between steps or after
