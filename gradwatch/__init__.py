@@ -2,7 +2,8 @@
 
 Catches NaN/Inf in losses and gradients, parameters without gradients or outside the optimizer,
 forgotten ``zero_grad``, exploding and vanishing gradients, and explains autograd errors, at the step
-they happen; protects the weights; reports to the console, TensorBoard and JSON lines.
+they happen; protects the weights; reports to the console, TensorBoard and JSON lines. On request,
+``gradwatch.gradcheck`` checks every custom autograd Function's backward against finite differences.
 
 Example:
     >>> import gradwatch
@@ -12,6 +13,7 @@ Example:
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
+from gradwatch.gradcheck import GradcheckResult, gradcheck
 from gradwatch.report import GradWatchInternalWarning
 from gradwatch.summary import RunSummary
 from gradwatch.watch import Watcher, watch
@@ -23,8 +25,10 @@ __all__ = [
     "Finding",
     "GradWatchError",
     "GradWatchInternalWarning",
+    "GradcheckResult",
     "RunSummary",
     "Watcher",
+    "gradcheck",
     "watch",
     "__version__",
 ]

@@ -281,6 +281,9 @@ class Escalation:
         self._half_loss = False  # a loss of this step was computed in float16 (read by nonfinite_loss)
         self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
         self._redirect: Any = None  # the arguments of Fabric's training_step call now running (not a forward)
+        #: Between steps (and after close): the last step's index and its forward calls' ``(args, kwargs, rng
+        #: state)``, references only, for ``Watcher.gradcheck()``; dropped when the next step's forward starts.
+        self.last_step: tuple[int, list[tuple[Any, Any, Any]]] | None = None
 
     @property
     def active(self) -> bool:
@@ -328,6 +331,7 @@ class Escalation:
         if mark != self._mark:  # an optimizer step happened since the last capture
             self._mark = mark
             self._new_step()
+            self.last_step = None
         if engine.config.every > 1 and not any(engine.should_check(i) for i in range(len(counts))):
             return None  # this step is not checked: keep nothing
         calls = self._calls
@@ -540,7 +544,9 @@ class Escalation:
             # Release the step's inputs and output gradients as soon as no optimizer needs them. A
             # Lightning batch stays until the next one starts: with several optimizers stepping inside
             # one training_step (manual GAN), the last-listed one may step first.
+            inputs = [(c.args, c.kwargs, c.rng) for c in self._calls]
             self._new_step()
+            self.last_step = (stats.step, inputs) if inputs else None
         if self._window_left > 0 and stats.optimizer_index == 0 and stats.step != self._window_start:
             self._window_left -= 1
             if self._window_left <= 0:
@@ -1997,15 +2003,26 @@ def _op_base(name: str) -> str:
     return re.sub(r"_$", "", base[:1].upper() + base[1:])
 
 
+def custom_function(op: str | None) -> str | None:
+    """The name of the custom autograd.Function whose backward node ``op`` is (``"CubeBackward"`` -> ``"Cube"``;
+    torch's own nodes end in a digit), else None."""
+    return op[: -len("Backward")] if op and re.fullmatch(r"[A-Za-z_]\w*Backward", op) else None
+
+
+#: ``nan_origin`` data for a NaN born in a custom Function's backward: the tool that checks that backward.
+_CHECK_CUSTOM_BACKWARD = "gradwatch.gradcheck"
+
+
 def fix_for(op: str | None, forward_op: str | None = None) -> str:
     """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``)."""
-    if op and re.fullmatch(r"[A-Za-z_]\w*Backward", op):  # a custom autograd.Function (no digit suffix)
-        name = op[: -len("Backward")]
+    name = custom_function(op)
+    if name is not None:
         return (
             f"{op} is the backward of the custom autograd.Function {name}: its backward() returned NaN/Inf "
             f"from a finite incoming gradient. Check {name}.backward's formula (divisions by saved values, "
-            "log or sqrt of them) for the inputs its forward accepts; torch.autograd.gradcheck compares it "
-            "with finite differences."
+            "log or sqrt of them) for the inputs its forward accepts; gradwatch.gradcheck(model, batch) (or "
+            "gw.gradcheck() after the step) compares every custom Function's backward with finite differences "
+            "of its forward on the inputs it received."
         )
     for name in (op, forward_op):
         if not name:
@@ -2168,6 +2185,8 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         forward_traceback=origin.traceback or result.anomaly_traceback,
         explicit_operand=origin.explicit_operand,
         loss_nonfinite_first=bool(origin.phase == "backward" and result.loss_nonfinite and loc.forward_finite),
+        custom_function=custom_function(origin.op),
+        check_with=_CHECK_CUSTOM_BACKWARD if custom_function(origin.op) else None,
     )
     produced = " and ".join(label for key, label in (("nan", "NaN"), ("inf", "Inf")) if origin.outgoing.get(key))
     produced = produced or "non-finite values"

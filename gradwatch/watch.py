@@ -7,11 +7,12 @@ gradients it produced, not stale ones.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
 import weakref
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding, names_text
 from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
+
+if TYPE_CHECKING:
+    from gradwatch.gradcheck import GradcheckResult
 
 # optimizer -> its watcher, both weakly (a strong value would keep its own key, the optimizer, alive).
 _WATCHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Watcher]] = weakref.WeakKeyDictionary()
@@ -162,6 +166,33 @@ class Watcher:
     def summary(self) -> RunSummary:
         return self.engine.summary()
 
+    def gradcheck(self, *example_inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> GradcheckResult:
+        """Check every custom ``torch.autograd.Function`` of the last step against finite differences.
+
+        Without ``example_inputs``, on the batch the last step's forward got (call it between steps or after
+        the loop; it needs ``escalate=True``, the default). See :func:`gradwatch.gradcheck`.
+
+        Returns:
+            A :class:`gradwatch.GradcheckResult`; its ``bad_backward`` findings are not added to
+            :attr:`findings`.
+        """
+        from gradwatch.escalation import Escalation
+        from gradwatch.gradcheck import MAX_STEP_CALLS, check_model
+
+        esc = self.engine.extension(Escalation)
+        last = getattr(esc, "last_step", None)
+        if example_inputs:
+            step, calls = (last[0] if last else 0), [(example_inputs, {}, None)]
+        elif last is None:
+            raise RuntimeError(
+                "gw.gradcheck() found no step to check: call it after an optimizer step (between steps or "
+                "after the loop), with escalate=True (the default); or pass a batch: gw.gradcheck(x)"
+            )
+        else:
+            step, calls = last[0], last[1][:MAX_STEP_CALLS]
+        with _paused(self.engine, esc):
+            return check_model(self.model, (), {}, loss_fn=loss_fn, step=step, calls=calls)
+
     def state_dict(self) -> dict[str, Any]:
         """Counters, step numbers, recent history and findings, for a checkpoint (plain types only: loads
         with ``torch.load(weights_only=True)``). ``fabric.save(path, {..., "gradwatch": gw})`` calls it."""
@@ -284,6 +315,21 @@ class Watcher:
             self._closure_step.discard(index)
             self.engine.drop_losses()  # later line-search evaluations of this step
         self.engine.step_done(index)
+
+
+@contextlib.contextmanager
+def _paused(engine: Engine, esc: Any) -> Iterator[None]:
+    """gradwatch's own forward hooks ignore the forward calls of ``Watcher.gradcheck``."""
+    replaying = engine.replaying if hasattr(engine, "replaying") else False
+    engine.replaying = True
+    if esc is not None:
+        esc._replaying = True
+    try:
+        yield
+    finally:
+        engine.replaying = replaying
+        if esc is not None:
+            esc._replaying = False
 
 
 def watch(
