@@ -27,7 +27,7 @@ from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.history import History
 from gradwatch.params import ParamIndex
-from gradwatch.report import Reporters, internal_warning
+from gradwatch.report import Reporters, internal_warning, safe_warn
 from gradwatch.report.console import ConsoleReporter
 from gradwatch.report.jsonl import JsonlReporter
 from gradwatch.report.tensorboard import TensorBoardReporter
@@ -205,18 +205,16 @@ class Engine:
                 self._warn_unwritable(jsonl_dir, exc)
 
     def _warn_unwritable(self, where: str, exc: BaseException) -> None:
-        import warnings
-
         from gradwatch.report import GradWatchInternalWarning
 
         if where in self._unwritable:
             return  # TensorBoard and gradwatch.jsonl share the directory: one warning is enough
         self._unwritable.add(where)
-        warnings.warn(
+        safe_warn(
             f"gradwatch: cannot write logs to {where!r} ({type(exc).__name__}: {exc}); training continues "
             "with console reporting only. Pass a writable log_dir to get TensorBoard and gradwatch.jsonl.",
             GradWatchInternalWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def add_extension(self, ext: Any) -> Any:

@@ -26,7 +26,6 @@ import os
 import pickle
 import sys
 import types
-import warnings
 import weakref
 from typing import Any
 
@@ -36,7 +35,7 @@ from gradwatch.config import Config, OnNonfinite, make_config
 from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
-from gradwatch.report import internal_warning
+from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping
 
@@ -214,22 +213,22 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         rank_zero = bool(trainer.is_global_zero)
         if not any(p.requires_grad for p in pl_module.parameters()):
             if rank_zero:
-                warnings.warn(
+                safe_warn(
                     f"gradwatch: {type(pl_module).__name__} has no trainable parameters (none with "
                     "requires_grad=True), so there are no gradients to watch and GradWatchCallback does "
                     "nothing in this run. Unfreeze some parameters, or remove the callback.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return
         optimizers = [o for o in (_unwrap(o) for o in trainer.optimizers) if o is not None]
         if not optimizers:
             if rank_zero:
-                warnings.warn(
+                safe_warn(
                     "gradwatch: the Trainer has no optimizer (configure_optimizers returned none), so "
                     "GradWatchCallback has no optimizer step to check and does nothing in this run.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
@@ -262,7 +261,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             try:
                 stepping = _stepping(opt)
             except TypeError as exc:  # no step hooks: checked from Lightning's hooks only
-                warnings.warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=2)
+                safe_warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=3)
                 continue
             if stepping is not opt:
                 self._optimizer_ids.setdefault(id(stepping), i)
