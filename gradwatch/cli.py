@@ -317,6 +317,7 @@ def _opt(v: int | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradwatch`` console script (and ``python -m gradwatch``)."""
     parser = argparse.ArgumentParser(prog="gradwatch", description="gradwatch: training-health reports from logs")
+    parser.add_argument("--version", action="version", version=f"gradwatch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("summary", help="print a health report of a run directory (event files and gradwatch.jsonl)")
     p.add_argument("run_dir", help="a run's log_dir (searched recursively)")
@@ -337,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(r)
         console.print()
     return 0
+
+
+def _version() -> str:
+    from gradwatch import __version__
+
+    return __version__
 
 
 def _json_default(v: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from gradwatch.findings import Finding, _jsonable
+from gradwatch.findings import Finding, _jsonable, display_order
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _markdown(
     out = [f"# gradwatch incident at step {step}", ""]
     if note:
         out += [note, ""]
-    for f in findings:
+    for f in display_order(findings):  # the console's order: where the NaN came from first
         out += [f"## {f.title}", "", f"Severity: {f.severity}", "", f.message, ""]
         details = {k: v for k, v in f.data.items() if k != "table"}
         if details:

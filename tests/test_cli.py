@@ -119,6 +119,13 @@ def test_python_dash_m_gradwatch_runs_the_cli(tmp_path) -> None:
     assert missing in proc.stderr
 
 
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gradwatch {gradwatch.__version__}"
+
+
 def test_sparkline_scales_logarithmically() -> None:
     assert sparkline([1.0, 10.0, 100.0, 1000.0]) == "▁▃▆█"
     assert sparkline([]) == ""
