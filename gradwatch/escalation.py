@@ -1255,6 +1255,7 @@ class Escalation:
                 anomaly_error=anomaly_error,
                 inputs=inputs,
                 note=note,
+                run=self.engine.run_id,
             )
             self.reports.append(paths.markdown)
         except Exception as exc:  # noqa: BLE001

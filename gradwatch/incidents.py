@@ -48,8 +48,10 @@ def write_incident(
     anomaly_error: str | None,
     inputs: dict[str, Any] | None,
     note: str | None = None,
+    run: str | None = None,
 ) -> None:
-    """Write the report files (creating ``incidents/``); raises OSError if they cannot be written."""
+    """Write the report files (creating ``incidents/``); raises OSError if they cannot be written. ``run``
+    is the run id of the ``gradwatch.jsonl`` records, so ``gradwatch summary`` lists the report with its run."""
     os.makedirs(os.path.dirname(paths.markdown), exist_ok=True)
     batch_file = None
     if paths.batch is not None and inputs is not None:
@@ -63,6 +65,7 @@ def write_incident(
         "anomaly_error": anomaly_error,
         "batch_file": batch_file,
         "note": note,
+        "run": run,
     }
     with open(paths.json, "w", encoding="utf-8") as fh:
         json.dump(record, fh, indent=2, allow_nan=False)

@@ -133,7 +133,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self.engine: Engine | None = None
         self._trainer: weakref.ReferenceType[Any] | None = None
         self._escalation: tuple[Any, Any] | None = None  # (engine, its Escalation): asked at every step
-        self._run_id = new_run_id()  # one run in gradwatch.jsonl across this callback's fits
+        self._run_id = new_run_id()  # one run in gradwatch.jsonl across the fits of one Trainer
         self._handles: list[Any] = []
         self._optimizer_ids: dict[int, int] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -206,7 +206,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         if carried is None and self.engine is not None and previous is trainer:
             carried = self.engine.state_dict()  # a second fit() of the same Trainer continues the counters
         # Another Trainer (a sweep reusing one callback) starts afresh: the history of an unrelated run
-        # would make its first steps look like explosions.
+        # would make its first steps look like explosions. It is another run in gradwatch.jsonl too (a
+        # checkpoint it resumes from carries the run it continues).
+        if self._fitted_with is not None and previous is not trainer:
+            self._run_id = new_run_id()
         self._fitted_with = weakref.ref(trainer)
         self._pending_state = carried
         self.engine = None
@@ -247,6 +250,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         engine.add_extension(ClipRatio(clip, how=how, manual=manual))
         if carried is not None:
             engine.load_state_dict(carried)
+            self._run_id = engine.run_id  # a resumed fit continues the checkpoint's run
         self._pending_state = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
@@ -521,6 +525,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         """Restore from a checkpoint; applied when the engine is built if ``fit`` has not started it yet."""
         if self.engine is not None and not self.engine.closed:
             self.engine.load_state_dict(state_dict)
+            self._run_id = self.engine.run_id
         else:
             self._pending_state = dict(state_dict)
 
