@@ -207,6 +207,7 @@ class Engine:
                 self.log_dir = jsonl_dir
             except Exception as exc:  # noqa: BLE001
                 self._warn_unwritable(jsonl_dir, exc)
+        self.reporters.call("start")  # run_start in gradwatch.jsonl: where this run's records begin
 
     def _warn_unwritable(self, where: str, exc: BaseException) -> None:
         from gradwatch.report import GradWatchInternalWarning

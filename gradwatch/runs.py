@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradwatch.report.jsonl import RUN_CONTINUED, RUN_START
+from gradwatch.report.jsonl import RUN_CONTINUED, RUN_START, is_finding
 
 
 @dataclass
@@ -54,7 +54,7 @@ def split_runs(records: list[dict[str, Any]]) -> list[Run]:
         if record.get("event") == RUN_START:
             run.started = run.started if run.started is not None else _number(record.get("time"))
             run.event_files += [str(f) for f in record.get("event_files") or [] if isinstance(f, str)]
-        elif isinstance(record.get("kind"), str):
+        elif is_finding(record):
             run.findings.append(record)
     return list(runs.values())
 

@@ -569,7 +569,8 @@ def test_tensorboard_tags_and_jsonl(tmp_path):
     assert skipped == {0: 0, 3: 1}
     assert "gradwatch/findings/text_summary" in acc.Tags()["tensors"]
     lines = [json.loads(line) for line in open(os.path.join(tmp_path, "gradwatch.jsonl"))]
-    assert [(r["kind"], r["step"]) for r in lines] == kinds(gw)
+    assert lines[0]["event"] == "run_start" and lines[0]["run"] == gw.engine.run_id
+    assert [(r["kind"], r["step"]) for r in lines[1:]] == kinds(gw)
     assert [("nonfinite_loss", 3), ("nonfinite_grad", 3)] == [k for k in kinds(gw) if k[0].startswith("nonfinite")]
 
 

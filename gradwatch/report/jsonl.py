@@ -45,8 +45,12 @@ class JsonlReporter:
         self._dir_identity = dir_identity(log_dir)
         self.path = os.path.join(log_dir, FILENAME)
         self.run = run or new_run_id()
+        self._event_files = list(event_files)
         self._file: Any = self._open()
-        self.write(run_start_record(self.run, event_files))
+
+    def start(self) -> None:
+        """Mark where this run's records begin (called once, when the watcher is set up)."""
+        self.write(run_start_record(self.run, self._event_files))
 
     def continue_run(self, run: str, at_step: int) -> None:
         """From now on write as ``run`` (resumed from a checkpoint at ``at_step``), and say so in the file."""
@@ -112,6 +116,11 @@ def run_start_record(run: str, event_files: list[str] | tuple[str, ...] = ()) ->
         "event_files": list(event_files),
         "gradwatch": __version__,
     }
+
+
+def is_finding(record: dict[str, Any]) -> bool:
+    """A finding's record (the others mark where runs begin: ``run_start``, ``run_continued``)."""
+    return isinstance(record.get("kind"), str) and "event" not in record
 
 
 def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
