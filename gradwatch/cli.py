@@ -181,7 +181,8 @@ def _runs_table(runs: list[dict[str, Any]]) -> Any:
     for c, j in (("run", "right"), ("started", "left"), ("steps", "right"), ("findings", "right"), ("", "left")):
         t.add_column(c, justify=j)  # type: ignore[arg-type]
     for r in runs:
-        t.add_row(str(r["number"]), r["started"] or "", str(r["steps"]), str(r["findings"]), "shown" if r["shown"] else "")
+        shown = "shown" if r["shown"] else ""
+        t.add_row(str(r["number"]), r["started"] or "", str(r["steps"]), str(r["findings"]), shown)
     return t
 
 
@@ -236,10 +237,12 @@ def summarize(run_dir: str, run: int | None = None, all_runs: bool = False) -> l
         return [r for reports in found for r in reports]
     if run is None:
         return [next(r for r in reports if r.latest) for reports in found]
-    picked = [reports[run - 1 if run > 0 else run] for reports in found if -len(reports) <= run <= len(reports) and run]
+    picked = [reports[run - 1 if run > 0 else run] for reports in found if run and -len(reports) <= run <= len(reports)]
     if not picked:
         counts = ", ".join(f"{reports[0].run_dir}: {len(reports)}" for reports in found)
-        raise NoGradwatchData(f"no run {run} in {run_dir!r} (runs per directory: {counts}); runs are numbered from 1")
+        raise NoGradwatchData(
+            f"no run {run} in {run_dir!r} (runs per directory: {counts}); runs are numbered from 1, -1 is the latest"
+        )
     return picked
 
 
@@ -249,8 +252,8 @@ def _summarize_dir(d: str) -> list[RunReport]:
     has_jsonl = os.path.isfile(jsonl_path)
     records = list(read_jsonl(jsonl_path)) if has_jsonl else []
     runs = split_runs(records) or [Run(None)]
-    scalars_by_file = {name: _read_scalars(os.path.join(d, name)) for name in sorted(os.listdir(d)) if "tfevents" in name}
-    scalars_by_file = {name: sc for name, sc in scalars_by_file.items() if sc}
+    event_files = [name for name in sorted(os.listdir(d)) if "tfevents" in name]
+    scalars_by_file = {name: sc for name in event_files if (sc := _read_scalars(os.path.join(d, name)))}
     assign_files(runs, d, list(scalars_by_file))
     if not has_jsonl and not scalars_by_file:
         return []
@@ -267,9 +270,9 @@ def _summarize_dir(d: str) -> list[RunReport]:
         }
         for r in reports
     ]
+    latest = max(range(len(runs)), key=lambda i: runs[i].last)  # the run that wrote last (resumed or new)
     for i, r in enumerate(reports):
-        r.latest = i == max(range(len(runs)), key=lambda j: runs[j].last)
-    for r in reports:
+        r.latest = i == latest
         r.runs_in_dir = [{**row, "shown": row["number"] == r.run_number} for row in listing]
     return reports
 
@@ -308,7 +311,8 @@ def _report(d: str, run: Run, scalars: dict[str, list[tuple[int, float]]], *, fr
 
 
 def _layers(scalars: dict[str, list[tuple[int, float]]]) -> list[LayerSummary]:
-    ratios = {tag[len(PREFIX + "update_ratio/") :]: pts for tag, pts in scalars.items() if tag.startswith(PREFIX + "update_ratio/")}
+    ratio_prefix = PREFIX + "update_ratio/"
+    ratios = {tag[len(ratio_prefix) :]: pts for tag, pts in scalars.items() if tag.startswith(ratio_prefix)}
     layers = []
     for tag, pts in scalars.items():
         if not tag.startswith(PREFIX + "grad_norm/") or tag.startswith(PREFIX + "grad_norm/total"):
@@ -318,7 +322,9 @@ def _layers(scalars: dict[str, list[tuple[int, float]]]) -> list[LayerSummary]:
         st = _stats(vals)
         r = ratios.get(layer)
         layers.append(
-            LayerSummary(layer, st["min"], st["median"], st["max"], vals[-1], _stats([v for _, v in r])["median"] if r else None)
+            LayerSummary(
+                layer, st["min"], st["median"], st["max"], vals[-1], _stats([v for _, v in r])["median"] if r else None
+            )
         )
     return layers
 
