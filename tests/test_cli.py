@@ -264,3 +264,20 @@ def test_the_where_of_nan_origin_names_the_op_and_the_line(tmp_path) -> None:
     with open(__file__, encoding="utf-8") as fh:
         line = next(i for i, text in enumerate(fh, 1) if text.rstrip().endswith("# the planted NaN"))
     assert origin.where == f"LogBackward0 in 0, test_cli.py:{line}"
+
+
+def test_records_of_an_older_version_without_run_start_still_split_by_run_id() -> None:
+    from gradwatch.runs import split_runs
+
+    old = [
+        {"kind": "nonfinite_loss", "step": 3, "run": "20261201T100000-7-0"},
+        {"kind": "none_grad", "step": 0, "run": "20261201T100500-8-0"},
+        {"kind": "nonfinite_grad", "step": 1},  # before runs carried ids at all
+    ]
+    runs = split_runs(old)
+    assert [(r.id, [f["kind"] for f in r.findings]) for r in runs] == [
+        ("20261201T100000-7-0", ["nonfinite_loss"]),
+        ("20261201T100500-8-0", ["none_grad"]),
+        (None, ["nonfinite_grad"]),
+    ]
+    assert all(r.started is None for r in runs)
