@@ -5,17 +5,22 @@ Reads every directory under ``RUN_DIR`` that holds gradwatch data: TensorBoard e
 skipped updates, findings by kind with first and last step, per-layer gradient-norm statistics, a
 sparkline of the total gradient norm and the incidents. ``--json`` prints the same as JSON.
 
-Exit codes: 0 on success, 2 when ``RUN_DIR`` does not exist or holds no gradwatch data.
+Several runs may have written to one directory (a re-run script, a fit resumed from a checkpoint): every
+figure of a report comes from one run (see :mod:`gradwatch.runs`). By default the latest run is
+reported and the others are listed; ``--run N`` reports the N-th (1 = the first, -1 = the latest),
+``--all`` every one.
+
+Exit codes: 0 on success, 2 when ``RUN_DIR`` does not exist, holds no gradwatch data or no run ``N``.
 
 Example:
     $ gradwatch summary runs/exp1
+    $ gradwatch summary runs/exp1 --run 1
     $ python -m gradwatch summary runs/exp1 --json | jq '.runs[0].findings'
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -25,6 +30,7 @@ from typing import Any
 
 from gradwatch.report.jsonl import FILENAME as JSONL_NAME
 from gradwatch.report.jsonl import read_jsonl
+from gradwatch.runs import Run, assign_files, split_runs
 
 PREFIX = "gradwatch/"
 SPARK = "▁▂▃▄▅▆▇█"
@@ -67,7 +73,16 @@ class RunReport:
     loss_first: float | None = None
     loss_last: float | None = None
     incidents: list[dict[str, str]] = field(default_factory=list)
-    earlier_runs: int = 0  # other watchers' findings in the same gradwatch.jsonl (not counted)
+    #: Which run of the directory this is: its id, its number (1 = the first to start) and start time.
+    run_id: str | None = None
+    run_number: int = 1
+    started: str | None = None
+    #: Runs of the same directory that started before this one (each reachable with ``--run N``).
+    earlier_runs: int = 0
+    #: Every run of the directory: number, id, start time, steps and findings (this one marked "shown").
+    runs_in_dir: list[dict[str, Any]] = field(default_factory=list)
+    #: The run that wrote to the directory last (the one reported by default).
+    latest: bool = True
 
     @property
     def healthy(self) -> bool:
@@ -94,11 +109,12 @@ class RunReport:
         head.add_column(style="bold")
         head.add_column()
         head.add_row("run", self.run_dir)
-        if self.earlier_runs:
+        if len(self.runs_in_dir) > 1:
             head.add_row(
-                "earlier runs",
-                f"{self.earlier_runs} earlier run(s) wrote to this log_dir: the findings below are the latest run's "
-                "(the charts of every run share the TensorBoard files; use a new log_dir per run)",
+                "",
+                f"run {self.run_number} of {len(self.runs_in_dir)} in this log_dir"
+                + (f", started {self.started}" if self.started else "")
+                + ": every figure below is this run's",
             )
         head.add_row("steps", f"{self.steps} ({self.steps_logged} checked steps logged)")
         head.add_row("skipped updates", str(self.skipped_steps))
@@ -143,6 +159,8 @@ class RunReport:
             if len(self.layers) > MAX_LAYERS_SHOWN:
                 t.add_row(f"... {len(self.layers) - MAX_LAYERS_SHOWN} more (see --json)", "", "", "", "")
             parts.append(t)
+        if len(self.runs_in_dir) > 1:
+            parts.append(_runs_table(self.runs_in_dir))
         if self.incidents:
             t = Table(title="incidents", title_justify="left", expand=False)
             t.add_column("file")
@@ -151,6 +169,21 @@ class RunReport:
                 t.add_row(inc["file"], inc["title"])
             parts.append(t)
         return Group(*parts)
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table(
+        title="runs in this log_dir (gradwatch summary DIR --run N for another, --all for every one)",
+        title_justify="left", expand=False,
+    )
+    for c, j in (("run", "right"), ("started", "left"), ("steps", "right"), ("findings", "right"), ("", "left")):
+        t.add_column(c, justify=j)  # type: ignore[arg-type]
+    for r in runs:
+        shown = "shown" if r["shown"] else ""
+        t.add_row(str(r["number"]), r["started"] or "", str(r["steps"]), str(r["findings"]), shown)
+    return t
 
 
 class NoGradwatchData(Exception):
@@ -184,35 +217,70 @@ def find_runs(run_dir: str) -> list[str]:
     return sorted(found)
 
 
-def summarize(run_dir: str) -> list[RunReport]:
-    """One :class:`RunReport` per run under ``run_dir``.
+def summarize(run_dir: str, run: int | None = None, all_runs: bool = False) -> list[RunReport]:
+    """One :class:`RunReport` per directory under ``run_dir``: of its latest run, of run number ``run``
+    (1 = the first, -1 = the latest; directories without it are left out) or, with ``all_runs``, of each.
 
     Raises:
-        NoGradwatchData: ``run_dir`` does not exist or holds no gradwatch data.
+        NoGradwatchData: ``run_dir`` does not exist or holds no gradwatch data (or no run ``run``).
     """
     if not os.path.isdir(run_dir):
         raise NoGradwatchData(f"{run_dir!r} is not a directory")
-    reports = [r for r in (_summarize_one(d) for d in find_runs(run_dir)) if r is not None]
-    if not reports:
+    found = [rs for rs in (_summarize_dir(d) for d in find_runs(run_dir)) if rs]
+    if not found:
         raise NoGradwatchData(
             f"no gradwatch data in {run_dir!r}: no TensorBoard event files with gradwatch/ scalars and no "
             f"{JSONL_NAME} under it. Pass the log_dir given to gradwatch.watch(...) (or Lightning's logger "
             "directory)."
         )
+    if all_runs:
+        return [r for reports in found for r in reports]
+    if run is None:
+        return [next(r for r in reports if r.latest) for reports in found]
+    picked = [reports[run - 1 if run > 0 else run] for reports in found if run and -len(reports) <= run <= len(reports)]
+    if not picked:
+        counts = ", ".join(f"{reports[0].run_dir}: {len(reports)}" for reports in found)
+        raise NoGradwatchData(
+            f"no run {run} in {run_dir!r} (runs per directory: {counts}); runs are numbered from 1, -1 is the latest"
+        )
+    return picked
+
+
+def _summarize_dir(d: str) -> list[RunReport]:
+    """One report per run of directory ``d`` (in start order); none without gradwatch data."""
+    jsonl_path = os.path.join(d, JSONL_NAME)
+    has_jsonl = os.path.isfile(jsonl_path)
+    records = list(read_jsonl(jsonl_path)) if has_jsonl else []
+    runs = split_runs(records) or [Run(None)]
+    event_files = [name for name in sorted(os.listdir(d)) if "tfevents" in name]
+    scalars_by_file = {name: sc for name in event_files if (sc := _read_scalars(os.path.join(d, name)))}
+    assign_files(runs, d, list(scalars_by_file))
+    if not has_jsonl and not scalars_by_file:
+        return []
+    reports = []
+    for number, run in enumerate(runs, start=1):
+        scalars = _merge([scalars_by_file[f] for f in sorted(set(run.event_files)) if f in scalars_by_file])
+        rep = _report(d, run, scalars, from_counters=not has_jsonl)
+        rep.run_number, rep.earlier_runs = number, number - 1
+        reports.append(rep)
+    listing = [
+        {
+            "number": r.run_number, "run": r.run_id, "started": r.started, "steps": r.steps,
+            "findings": sum(k.count for k in r.findings), "shown": False,
+        }
+        for r in reports
+    ]
+    latest = max(range(len(runs)), key=lambda i: runs[i].last)  # the run that wrote last (resumed or new)
+    for i, r in enumerate(reports):
+        r.latest = i == latest
+        r.runs_in_dir = [{**row, "shown": row["number"] == r.run_number} for row in listing]
     return reports
 
 
-def _summarize_one(d: str) -> RunReport | None:
-    scalars = _read_scalars(d)
-    jsonl_path = os.path.join(d, JSONL_NAME)
-    records = list(read_jsonl(jsonl_path)) if os.path.isfile(jsonl_path) else []
-    if not scalars and not records:
-        return None
-    rep = RunReport(run_dir=d)
-    runs = list(dict.fromkeys(r["run"] for r in records if isinstance(r.get("run"), str)))
-    if len(runs) > 1:  # runs that reused this log_dir appended to one file: the latest one's findings
-        rep.earlier_runs = len(runs) - 1
-        records = [r for r in records if r.get("run") == runs[-1]]
+def _report(d: str, run: Run, scalars: dict[str, list[tuple[int, float]]], *, from_counters: bool) -> RunReport:
+    """The figures of one run: its findings, its event files' scalars, its incident reports."""
+    rep = RunReport(run_dir=d, run_id=run.id, started=_when(run.started))
+    records = run.findings
     totals = sorted(
         ((s, v) for tag, pts in scalars.items() if tag.startswith(PREFIX + "grad_norm/total") for s, v in pts),
         key=lambda sv: sv[0],
@@ -233,10 +301,19 @@ def _summarize_one(d: str) -> RunReport | None:
     )
     if loss:
         rep.loss_first, rep.loss_last = loss[0][1], loss[-1][1]
-    rep.findings = _kinds(records, scalars)
+    rep.findings = _kinds(records, scalars if from_counters else {})
     if records:
         rep.steps = max(rep.steps, max(int(r.get("step", 0)) for r in records) + 1)
-    ratios = {tag[len(PREFIX + "update_ratio/") :]: pts for tag, pts in scalars.items() if tag.startswith(PREFIX + "update_ratio/")}
+    rep.layers = _layers(scalars)
+    for rel in run.incidents:
+        rep.incidents.append({"file": rel, "title": _first_line(os.path.join(d, rel))})
+    return rep
+
+
+def _layers(scalars: dict[str, list[tuple[int, float]]]) -> list[LayerSummary]:
+    ratio_prefix = PREFIX + "update_ratio/"
+    ratios = {tag[len(ratio_prefix) :]: pts for tag, pts in scalars.items() if tag.startswith(ratio_prefix)}
+    layers = []
     for tag, pts in scalars.items():
         if not tag.startswith(PREFIX + "grad_norm/") or tag.startswith(PREFIX + "grad_norm/total"):
             continue
@@ -244,27 +321,38 @@ def _summarize_one(d: str) -> RunReport | None:
         vals = [v for _, v in pts]
         st = _stats(vals)
         r = ratios.get(layer)
-        rep.layers.append(
-            LayerSummary(layer, st["min"], st["median"], st["max"], vals[-1], _stats([v for _, v in r])["median"] if r else None)
+        layers.append(
+            LayerSummary(
+                layer, st["min"], st["median"], st["max"], vals[-1], _stats([v for _, v in r])["median"] if r else None
+            )
         )
-    for path in sorted(glob.glob(os.path.join(glob.escape(d), "incidents", "*.md"))):
-        rep.incidents.append({"file": os.path.relpath(path, d), "title": _first_line(path)})
-    return rep
+    return layers
 
 
-def _read_scalars(d: str) -> dict[str, list[tuple[int, float]]]:
-    if not any("tfevents" in f for f in os.listdir(d)):
-        return {}
+def _read_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
+    """The ``gradwatch/`` scalars of one event file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(d, size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
-    acc.Reload()
+    acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    try:
+        acc.Reload()
+    except Exception:  # noqa: BLE001 - a torn or foreign file: no scalars from it
+        return {}
     out: dict[str, list[tuple[int, float]]] = {}
     for tag in acc.Tags().get("scalars", []):
         if tag.startswith(PREFIX):
-            pts = sorted({e.step: float(e.value) for e in acc.Scalars(tag)}.items())
-            out[tag] = pts
+            out[tag] = sorted({e.step: float(e.value) for e in acc.Scalars(tag)}.items())
     return out
+
+
+def _merge(files: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[tuple[int, float]]]:
+    """One run's scalars over its event files (a resumed fit writes a new one; a later file's value of a
+    step wins: the resume made that step again)."""
+    merged: dict[str, dict[int, float]] = {}
+    for scalars in files:
+        for tag, pts in scalars.items():
+            merged.setdefault(tag, {}).update(pts)
+    return {tag: sorted(pts.items()) for tag, pts in merged.items()}
 
 
 def _kinds(records: list[dict[str, Any]], scalars: dict[str, list[tuple[int, float]]]) -> list[KindSummary]:
@@ -276,9 +364,7 @@ def _kinds(records: list[dict[str, Any]], scalars: dict[str, list[tuple[int, flo
         step = int(r.get("step", 0))
         k = kinds.get(kind)
         if k is None:
-            params = r.get("params") or []
-            where = r.get("module") or r.get("op") or (params[0] + (f" (+{len(params) - 1})" if len(params) > 1 else "") if params else None)
-            kinds[kind] = KindSummary(kind, 1, step, step, r.get("severity"), where)
+            kinds[kind] = KindSummary(kind, 1, step, step, r.get("severity"), _where(r))
         else:
             k.count += 1
             k.first_step = step if k.first_step is None else min(k.first_step, step)
@@ -291,6 +377,37 @@ def _kinds(records: list[dict[str, Any]], scalars: dict[str, list[tuple[int, flo
                     tag[len(PREFIX + "findings/") :], int(pts[-1][1]), first, None
                 )
     return sorted(kinds.values(), key=lambda k: (k.first_step if k.first_step is not None else 0, k.kind))
+
+
+def _where(record: dict[str, Any]) -> str | None:
+    """Where a finding record points: the op and the source line when it names them (``nan_origin``:
+    ``LogBackward0 in block, model.py:9``), else the module, else the parameters."""
+    data = record.get("data") if isinstance(record.get("data"), dict) else {}
+    op = record.get("op") or data.get("op")
+    module = record.get("module")
+    line = _short_source(data.get("source"))
+    if op or line:
+        place = f" in {'the model' if module in ('', '<root>') else module}" if module is not None else ""
+        return ", ".join(p for p in (f"{op or 'op'}{place}", line) if p)
+    params = record.get("params") or []
+    if module:
+        return str(module)
+    return params[0] + (f" (+{len(params) - 1})" if len(params) > 1 else "") if params else None
+
+
+def _short_source(source: Any) -> str | None:
+    """``/long/path/model.py:9 in forward`` -> ``model.py:9``."""
+    if not isinstance(source, str) or not source:
+        return None
+    location = source.split(" in ", 1)[0]
+    path, sep, line = location.rpartition(":")
+    return f"{os.path.basename(path)}:{line}" if sep and line.isdigit() else os.path.basename(location)
+
+
+def _when(t: float | None) -> str | None:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else None
 
 
 def _stats(vals: list[float]) -> dict[str, float]:
@@ -317,13 +434,21 @@ def _opt(v: int | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gradwatch`` console script (and ``python -m gradwatch``)."""
     parser = argparse.ArgumentParser(prog="gradwatch", description="gradwatch: training-health reports from logs")
+    parser.add_argument("--version", action="version", version=f"gradwatch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("summary", help="print a health report of a run directory (event files and gradwatch.jsonl)")
     p.add_argument("run_dir", help="a run's log_dir (searched recursively)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--run", type=int, metavar="N",
+        help="report the N-th run that wrote to the directory (1 = the first, -1 = the latest; default: the "
+        "latest run, with the others listed)",
+    )
+    which.add_argument("--all", action="store_true", help="report every run that wrote to the directory")
     args = parser.parse_args(argv)
     try:
-        reports = summarize(args.run_dir)
+        reports = summarize(args.run_dir, run=args.run, all_runs=args.all)
     except NoGradwatchData as exc:
         print(f"gradwatch summary: {exc}", file=sys.stderr)
         return 2
@@ -337,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(r)
         console.print()
     return 0
+
+
+def _version() -> str:
+    from gradwatch import __version__
+
+    return __version__
 
 
 def _json_default(v: Any) -> Any:

@@ -7,6 +7,7 @@ raises ``ValueError`` (or ``TypeError``) naming the keyword, echoing the value a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -138,12 +139,18 @@ def make_config(**kwargs: Any) -> Config:
     unknown = [k for k in kwargs if k not in known]
     if unknown:
         raise TypeError(
-            f"unknown gradwatch option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"known options: {', '.join(known)}"
+            f"unknown gradwatch option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(_with_suggestion(k, known) for k in unknown)}; known options: {', '.join(known)}"
         )
     if "log_dir" in kwargs and isinstance(kwargs["log_dir"], os.PathLike):
         kwargs["log_dir"] = os.fspath(kwargs["log_dir"])
     return Config(**kwargs)
+
+
+def _with_suggestion(name: str, known: tuple[str, ...]) -> str:
+    """``'on_nonfinte' (did you mean 'on_nonfinite'?)``: the nearest known keyword, when one is near."""
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name)
 
 
 def _validate(c: Config) -> None:

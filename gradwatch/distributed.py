@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import torch
 
 from gradwatch.findings import Finding, names_text
-from gradwatch.report import internal_warning
+from gradwatch.report import internal_warning, safe_warn
 from gradwatch.stats import StepStats, layer_key, layer_norms, total_norm
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
@@ -271,22 +270,22 @@ class RankAgreement:
                 what = f"{ranks} had no open gradwatch watcher of this model when the first step was checked"
                 if missing and all(self._watches_another(r) for r in missing):
                     # Every rank watches, each its own model: "watch on every rank" would be no advice.
-                    warnings.warn(
+                    safe_warn(
                         f"gradwatch: {what}, but {'they watch' if len(missing) > 1 else 'it watches'} another model "
                         "(a pipeline stage, a model of its own), so each rank decides alone on its own gradients (as "
                         "with rank_agreement=False). Nothing to change for pipeline stages or per-rank models; for "
                         "one model replicated on every rank (DDP), watch it on every rank, at the same point of the "
                         "script, to keep every rank's skip decision the same.",
-                        stacklevel=2,
+                        stacklevel=3,
                     )
                     return False
                 what += f" (none, one started more than {PEER_WAIT:g}s later, or one already closed)"
-            warnings.warn(
+            safe_warn(
                 f"gradwatch: {what}, so each rank decides alone (as with rank_agreement=False): gradwatch's "
                 "per-step all_reduce would otherwise pair with one of DDP's or the user's on the other ranks. "
                 "Watch on every rank, at the same point of the script (report on rank 0 only is automatic), to "
                 "keep every rank's skip decision the same.",
-                stacklevel=2,
+                stacklevel=3,
             )
         return not self._solo
 
@@ -414,11 +413,11 @@ class RankAgreement:
         same = spread <= 1e-5 * max(mean * mean, 1e-12) + 1e-12
         if not same:
             self._solo = True
-            warnings.warn(
+            safe_warn(
                 "gradwatch: the processes of this torch.distributed run hold different parameters at a checked "
                 "step, so they train different models, not replicas: each rank decides alone from now "
                 "on (as with rank_agreement=False), and a NaN on one rank no longer skips the others' updates.",
-                stacklevel=2,
+                stacklevel=3,
             )
         return same
 

@@ -27,9 +27,9 @@ from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.history import History
 from gradwatch.params import ParamIndex
-from gradwatch.report import Reporters, internal_warning
+from gradwatch.report import Reporters, internal_warning, safe_warn
 from gradwatch.report.console import ConsoleReporter
-from gradwatch.report.jsonl import JsonlReporter
+from gradwatch.report.jsonl import JsonlReporter, new_run_id
 from gradwatch.report.tensorboard import TensorBoardReporter
 from gradwatch.stats import (
     StepStats,
@@ -105,7 +105,9 @@ class Engine:
         self.config = config
         self.model = model
         self.optimizers = list(optimizers)
-        self._run_id = run_id  # the "run" of gradwatch.jsonl records (a Lightning callback's, across fits)
+        #: The "run" of gradwatch.jsonl records (a Lightning callback's across the fits of one Trainer); kept
+        #: in checkpoints, so a resumed run continues its own records.
+        self.run_id = run_id or new_run_id()
         self.rank_zero = rank_zero
         self.index = ParamIndex(model, self.optimizers)
         self.history = History(window=config.window)
@@ -199,24 +201,25 @@ class Engine:
         jsonl_dir = self.log_dir if tb_writer is not None else c.log_dir
         if jsonl_dir is not None:
             try:
-                self.reporters.add(JsonlReporter(jsonl_dir, run=self._run_id))
+                tb = self.reporters.of_type(TensorBoardReporter)
+                files = tb.event_files() if tb is not None else []
+                self.reporters.add(JsonlReporter(jsonl_dir, run=self.run_id, event_files=files))
                 self.log_dir = jsonl_dir
             except Exception as exc:  # noqa: BLE001
                 self._warn_unwritable(jsonl_dir, exc)
+        self.reporters.call("start")  # run_start in gradwatch.jsonl: where this run's records begin
 
     def _warn_unwritable(self, where: str, exc: BaseException) -> None:
-        import warnings
-
         from gradwatch.report import GradWatchInternalWarning
 
         if where in self._unwritable:
             return  # TensorBoard and gradwatch.jsonl share the directory: one warning is enough
         self._unwritable.add(where)
-        warnings.warn(
+        safe_warn(
             f"gradwatch: cannot write logs to {where!r} ({type(exc).__name__}: {exc}); training continues "
             "with console reporting only. Pass a writable log_dir to get TensorBoard and gradwatch.jsonl.",
             GradWatchInternalWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def add_extension(self, ext: Any) -> Any:
@@ -997,6 +1000,7 @@ class Engine:
             "kind_counts": dict(self.kind_counts),
             "findings": [f.to_dict() for f in self.findings[-1000:]],
             "history": self.history.state_dict(),
+            "run": self.run_id,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1009,6 +1013,20 @@ class Engine:
         self.kind_counts = Counter({str(k): int(v) for k, v in state.get("kind_counts", {}).items()})
         self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
         self.history.load_state_dict(state.get("history", {}))
+        run = state.get("run")
+        if isinstance(run, str) and run != self.run_id:
+            self._continue_run(run)
+
+    def _continue_run(self, run: str) -> None:
+        """A run resumed from its checkpoint: gradwatch.jsonl records go on under the checkpoint's run id."""
+        self.run_id = run
+        jsonl = self.reporters.of_type(JsonlReporter)
+        if jsonl is None:
+            return
+        try:
+            jsonl.continue_run(run, at_step=min(self.step_counts))
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be written must not stop the resume
+            internal_warning("JsonlReporter.continue_run", exc, owner=jsonl, key="JsonlReporter")
 
 
 def _reach_flag(loss: torch.Tensor) -> list[bool] | None:

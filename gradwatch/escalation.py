@@ -1261,6 +1261,7 @@ class Escalation:
                 anomaly_error=anomaly_error,
                 inputs=inputs,
                 note=note,
+                run=self.engine.run_id,
             )
             self.reports.append(paths.markdown)
         except Exception as exc:  # noqa: BLE001
@@ -1571,11 +1572,11 @@ def _autocast(state: tuple[tuple[str, torch.dtype], ...] | None) -> Iterator[Non
 def _reemit_own_warnings(caught: list[warnings.WarningMessage]) -> None:
     """The replay records warnings process-wide: gradwatch's own ones (e.g. from its TensorBoard writer
     thread, issued meanwhile) are passed on instead of being lost with the replay's anomaly-mode noise."""
-    from gradwatch.report import GradWatchInternalWarning
+    from gradwatch.report import GradWatchInternalWarning, safe_warn_explicit
 
     for w in caught:
         if issubclass(w.category, GradWatchInternalWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            safe_warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _anomaly_traceback(caught: list[warnings.WarningMessage]) -> str | None:

@@ -125,6 +125,25 @@ class Finding:
         return self.message.split("\n", 1)[0]
 
 
+def display_order(findings: list[Finding]) -> list[Finding]:
+    """One step's findings in the order they are shown (console and incident reports alike): those of one
+    non-finite incident first, led by the most severe and, among equals, by where the NaN came from
+    (:data:`INCIDENT_KINDS` order); the incident's other findings next, then the rest, each in their order.
+
+    Example:
+        >>> grad = Finding(kind="nonfinite_grad", step=5, severity="error", message="...")
+        >>> origin = Finding(kind="nan_origin", step=5, severity="error", message="...")
+        >>> [f.kind for f in display_order([grad, origin])]
+        ['nan_origin', 'nonfinite_grad']
+    """
+    incident = [f for f in findings if f.kind in INCIDENT_KINDS]
+    if not incident:
+        return list(findings)
+    head = min(incident, key=lambda f: (-SEVERITIES.index(f.severity), INCIDENT_KINDS.index(f.kind)))
+    rest = [f for f in findings if f.kind not in INCIDENT_KINDS]
+    return [head, *(f for f in incident if f is not head), *rest]
+
+
 def incident_panel(head: Finding, others: list[Finding]) -> Any:
     """One panel for one step's findings of one incident: ``head`` in full (where it was born, its fix),
     the others by their first paragraph (their tables and generic fixes are in the JSON lines)."""

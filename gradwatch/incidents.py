@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from gradwatch.findings import Finding, _jsonable
+from gradwatch.findings import Finding, _jsonable, display_order
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,10 @@ def write_incident(
     anomaly_error: str | None,
     inputs: dict[str, Any] | None,
     note: str | None = None,
+    run: str | None = None,
 ) -> None:
-    """Write the report files (creating ``incidents/``); raises OSError if they cannot be written."""
+    """Write the report files (creating ``incidents/``); raises OSError if they cannot be written. ``run``
+    is the run id of the ``gradwatch.jsonl`` records, so ``gradwatch summary`` lists the report with its run."""
     os.makedirs(os.path.dirname(paths.markdown), exist_ok=True)
     batch_file = None
     if paths.batch is not None and inputs is not None:
@@ -63,6 +65,7 @@ def write_incident(
         "anomaly_error": anomaly_error,
         "batch_file": batch_file,
         "note": note,
+        "run": run,
     }
     with open(paths.json, "w", encoding="utf-8") as fh:
         json.dump(record, fh, indent=2, allow_nan=False)
@@ -88,7 +91,7 @@ def _markdown(
     out = [f"# gradwatch incident at step {step}", ""]
     if note:
         out += [note, ""]
-    for f in findings:
+    for f in display_order(findings):  # the console's order: where the NaN came from first
         out += [f"## {f.title}", "", f"Severity: {f.severity}", "", f.message, ""]
         details = {k: v for k, v in f.data.items() if k != "table"}
         if details:

@@ -26,7 +26,6 @@ import os
 import pickle
 import sys
 import types
-import warnings
 import weakref
 from typing import Any
 
@@ -36,7 +35,7 @@ from gradwatch.config import Config, OnNonfinite, make_config
 from gradwatch.engine import Engine, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding
-from gradwatch.report import internal_warning
+from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping
 
@@ -134,7 +133,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self.engine: Engine | None = None
         self._trainer: weakref.ReferenceType[Any] | None = None
         self._escalation: tuple[Any, Any] | None = None  # (engine, its Escalation): asked at every step
-        self._run_id = new_run_id()  # one run in gradwatch.jsonl across this callback's fits
+        self._run_id = new_run_id()  # one run in gradwatch.jsonl across the fits of one Trainer
         self._handles: list[Any] = []
         self._optimizer_ids: dict[int, int] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -207,29 +206,32 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         if carried is None and self.engine is not None and previous is trainer:
             carried = self.engine.state_dict()  # a second fit() of the same Trainer continues the counters
         # Another Trainer (a sweep reusing one callback) starts afresh: the history of an unrelated run
-        # would make its first steps look like explosions.
+        # would make its first steps look like explosions. It is another run in gradwatch.jsonl too (a
+        # checkpoint it resumes from carries the run it continues).
+        if self._fitted_with is not None and previous is not trainer:
+            self._run_id = new_run_id()
         self._fitted_with = weakref.ref(trainer)
         self._pending_state = carried
         self.engine = None
         rank_zero = bool(trainer.is_global_zero)
         if not any(p.requires_grad for p in pl_module.parameters()):
             if rank_zero:
-                warnings.warn(
+                safe_warn(
                     f"gradwatch: {type(pl_module).__name__} has no trainable parameters (none with "
                     "requires_grad=True), so there are no gradients to watch and GradWatchCallback does "
                     "nothing in this run. Unfreeze some parameters, or remove the callback.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return
         optimizers = [o for o in (_unwrap(o) for o in trainer.optimizers) if o is not None]
         if not optimizers:
             if rank_zero:
-                warnings.warn(
+                safe_warn(
                     "gradwatch: the Trainer has no optimizer (configure_optimizers returned none), so "
                     "GradWatchCallback has no optimizer step to check and does nothing in this run.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
@@ -248,6 +250,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         engine.add_extension(ClipRatio(clip, how=how, manual=manual))
         if carried is not None:
             engine.load_state_dict(carried)
+            self._run_id = engine.run_id  # a resumed fit continues the checkpoint's run
         self._pending_state = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
@@ -262,7 +265,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             try:
                 stepping = _stepping(opt)
             except TypeError as exc:  # no step hooks: checked from Lightning's hooks only
-                warnings.warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=2)
+                safe_warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=3)
                 continue
             if stepping is not opt:
                 self._optimizer_ids.setdefault(id(stepping), i)
@@ -522,6 +525,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         """Restore from a checkpoint; applied when the engine is built if ``fit`` has not started it yet."""
         if self.engine is not None and not self.engine.closed:
             self.engine.load_state_dict(state_dict)
+            self._run_id = self.engine.run_id
         else:
             self._pending_state = dict(state_dict)
 

@@ -38,7 +38,9 @@ class RunSummary:
         return asdict(self)
 
     def __rich__(self) -> Any:
+        from rich.console import Group
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title="gradwatch summary", title_justify="left", show_header=True, expand=False)
         t.add_column("", style="bold")
@@ -56,6 +58,9 @@ class RunSummary:
                 t.add_row(f"findings: {kind}", f"{n} (first at step {self.first_step.get(kind, '?')})")
         else:
             t.add_row("findings", "none: gradients healthy")
-        if self.log_dir:
-            t.add_row("logs", f"tensorboard --logdir {self.log_dir}")
-        return t
+        if not self.log_dir:
+            return t
+        # Below the table, not in a cell: a cell cuts a long path ("…/pl_healthy/vers…") to its width,
+        # while text folds onto the next line, so the whole path is always there to copy.
+        logs = Text.assemble(("logs: ", "bold"), f"tensorboard --logdir {self.log_dir}", overflow="fold")
+        return Group(t, logs)

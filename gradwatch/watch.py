@@ -60,7 +60,7 @@ class Watcher:
         if isinstance(model, type) and issubclass(model, nn.Module):
             raise TypeError(f"watch() needs a model instance, got the class {model.__name__}; pass {model.__name__}(...)")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"watch() needs a torch.nn.Module as model, got {type(model).__name__}: {model!r:.80}")
+            raise TypeError(_bad_model(model, optimizer))
         given = _as_optimizers(optimizer)
         optimizers = [_stepping(o) for o in given]
         cfg = make_config(**config)
@@ -492,6 +492,19 @@ def _recreated_finding(optimizer: Any, names: list[str], step: int, each: int) -
         "Fix: create the optimizer once, before the training loop (not inside it), and watch that one: "
         "gradwatch.watch(model, optimizer).",
     )
+
+
+def _bad_model(model: Any, optimizer: Any) -> str:
+    """The message for a first argument that is no module: its type named, never its (multi-line) repr."""
+    got = f"watch() needs a torch.nn.Module as model, got {type(model).__name__}"
+    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
+        return (
+            f"{got} and a {type(optimizer).__name__} module as optimizer: the arguments are swapped; "
+            "call watch(model, optimizer)"
+        )
+    if isinstance(model, torch.optim.Optimizer):
+        return f"{got}; pass the model first: watch(model, optimizer)"
+    return got
 
 
 def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

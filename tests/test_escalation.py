@@ -359,6 +359,16 @@ def test_incident_files_written_and_readable(tmp_path: Any) -> None:
     assert origins(gw)[0].data["report"] == os.fspath(base.with_suffix(".md"))
 
 
+def test_incident_report_orders_findings_as_the_console_does(tmp_path: Any, text_console: Any) -> None:
+    train(Net("div"), "div", on_nonfinite="skip", log_dir=str(tmp_path), console=text_console)
+    text = (tmp_path / "incidents" / f"step_{BAD_STEP}.md").read_text()
+    in_report = [line.split("]", 1)[0].lstrip("# [") for line in text.splitlines() if line.startswith("## [")]
+    panel = text_console.file.getvalue().split(f"at step {BAD_STEP}", 1)[1]
+    also = [line.split("- ", 1)[1].split(":", 1)[0] for line in panel.splitlines() if "│ - " in line]
+    assert in_report[0] == "nan_origin"
+    assert in_report == ["nan_origin", *also]
+
+
 def test_no_batch_file_without_save_batch(tmp_path: Any) -> None:
     train(Net("div"), "div", on_nonfinite="skip", log_dir=str(tmp_path))
     files = sorted(os.listdir(tmp_path / "incidents"))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.report.jsonl import FILENAME, read_jsonl
+from gradwatch.report.jsonl import FILENAME, is_finding, read_jsonl
 
 
 def strict_loads(line: str) -> dict:
@@ -48,7 +48,7 @@ def test_each_finding_is_in_the_file_before_the_next_step(tmp_path) -> None:
     with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
         for s in range(6):
             step(model, opt, gw, nan=s in (1, 4))
-            on_disk = [(r["kind"], r["step"]) for r in read_jsonl(path)]
+            on_disk = [(r["kind"], r["step"]) for r in read_jsonl(path) if is_finding(r)]
             assert on_disk == [(f.kind, f.step) for f in gw.findings], f"after step {s}"
     assert ("nonfinite_grad", 4) in on_disk
 
@@ -58,7 +58,7 @@ def test_every_line_is_strict_json_even_with_nonfinite_values(tmp_path) -> None:
     with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
         step(model, opt, gw, nan=True)
     with open(tmp_path / FILENAME, encoding="utf-8") as fh:
-        records = [strict_loads(line) for line in fh]
+        records = [r for r in (strict_loads(line) for line in fh) if is_finding(r)]
     loss_record = next(r for r in records if r["kind"] == "nonfinite_loss")
     assert loss_record["data"]["loss"] == "nan"
     assert [gradwatch.Finding.from_dict(r) for r in records] == gw.findings
@@ -129,4 +129,5 @@ def test_new_run_after_a_torn_line_starts_on_a_fresh_line(tmp_path) -> None:
         step(model, opt, gw, nan=True)
     records = list(read_jsonl(str(path)))
     assert records[0] == {"kind": "nonfinite_loss", "step": 0}
-    assert [gradwatch.Finding.from_dict(r) for r in records[1:]] == gw.findings
+    assert records[1]["event"] == "run_start"
+    assert [gradwatch.Finding.from_dict(r) for r in records[2:]] == gw.findings

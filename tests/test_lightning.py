@@ -314,7 +314,7 @@ def test_tensorboard_logger_receives_the_tags(pl_ns: Any) -> None:
         assert scalars["gradwatch/skipped_steps"][-1] == (2, 1.0)
         assert scalars["gradwatch/findings/none_grad"][0] == (0, 1.0)
         with open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8") as fh:
-            kinds = {json.loads(line)["kind"] for line in fh}
+            kinds = {json.loads(line).get("kind") for line in fh}
         assert {"none_grad", "nonfinite_loss", "nonfinite_grad"} <= kinds
 
 
@@ -396,6 +396,26 @@ def test_resume_from_checkpoint_keeps_counters(lightning_pytorch: Any, tmp_path:
     assert second.engine.steps_skipped == 1
     assert {("nonfinite_loss", 2), ("nonfinite_grad", 2)} <= {(f.kind, f.step) for f in second.findings}
     assert {f.step for f in second.findings} == {2}  # restored from the first run, nothing new
+
+
+def test_a_fit_resumed_into_the_same_log_dir_is_summarized_as_one_run(lightning_pytorch: Any, tmp_path: Any) -> None:
+    from gradwatch.cli import summarize
+
+    def logger() -> Any:  # the same directory for both fits: version_0
+        return lightning_pytorch.loggers.TensorBoardLogger(str(tmp_path), name="pl", version=0)
+
+    trainer = tiny_trainer(lightning_pytorch, [GradWatchCallback(console=False)], max_steps=4, logger=logger())
+    trainer.fit(tiny_module(lightning_pytorch, nan_at=2))
+    ckpt = str(tmp_path / "run.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = tiny_trainer(lightning_pytorch, [GradWatchCallback(console=False)], max_steps=7, logger=logger())
+    resumed.fit(tiny_module(lightning_pytorch, nan_at=5), ckpt_path=ckpt)
+
+    (report,) = summarize(str(tmp_path / "pl" / "version_0"), all_runs=True)
+    assert len(report.runs_in_dir) == 1 and report.earlier_runs == 0
+    assert report.skipped_steps == 2 and report.steps == 7
+    steps = {k.kind: (k.first_step, k.last_step, k.count) for k in report.findings}
+    assert steps["nonfinite_loss"] == (2, 5, 2)  # before and after the resume
 
 
 def test_state_dict_round_trips_before_fit() -> None:

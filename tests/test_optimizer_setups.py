@@ -404,3 +404,46 @@ def test_coupled_l2_in_adaptive_optimizers_is_not_weight_decay_too_large(make: A
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     assert not any(f.kind == "weight_decay_too_large" for f in _three_steps(model, make(list(model.parameters()))))
+
+
+def test_an_optimizer_built_on_another_model_is_one_foreign_params_finding() -> None:
+    model, other = mlp(), mlp()
+    opt = torch.optim.SGD(other.parameters(), lr=0.05)  # the bug: the other model's parameters
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(5):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert kinds(gw) == [("foreign_params", 0)]
+    (finding,) = gw.findings
+    assert "build the optimizer from this model's parameters" in finding.message
+    assert "holds none of the model's parameters" in finding.message
+    assert finding.data["another_model"] is True and finding.data["model_params_not_in_optimizer"] == 4
+
+
+def test_a_second_model_trained_jointly_in_the_same_optimizer_is_not_flagged() -> None:
+    model, critic = mlp(), mlp()
+    opt = torch.optim.Adam([*model.parameters(), *critic.parameters()], lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(6):
+            loss = nn.functional.mse_loss(model(x), y) + critic(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert kinds(gw) == []
+
+
+# https://adversarial-ml-tutorial.org/adversarial_examples/ (PGD: the model is only put in eval mode)
+def test_an_adversarial_perturbation_optimized_through_a_trainable_model_is_not_flagged() -> None:
+    model = mlp().eval()  # requires_grad stays True, as in most attack code
+    x, y = data(1)[0]
+    delta = torch.zeros_like(x, requires_grad=True)
+    opt = torch.optim.SGD([delta], lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for _ in range(6):
+            loss = -nn.functional.mse_loss(model(x + delta), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert kinds(gw) == []

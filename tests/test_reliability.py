@@ -8,6 +8,7 @@ that the findings are still in memory, and that each broken part is reported onc
 from __future__ import annotations
 
 import glob
+import json
 import io
 import os
 import shutil
@@ -26,7 +27,7 @@ from conftest import panels
 
 import gradwatch
 from gradwatch import GradWatchInternalWarning
-from gradwatch.report.jsonl import FILENAME, read_jsonl
+from gradwatch.report.jsonl import FILENAME, is_finding, read_jsonl
 from gradwatch.report.tensorboard import TensorBoardReporter
 
 STEPS = 6
@@ -199,7 +200,7 @@ def test_log_dir_removed_mid_run_is_recreated_with_one_warning(tmp_path, record,
     assert kinds(gw) == healthy_kinds()
     messages = internal_warnings(record)
     assert len(messages) == 1 and "removed during the run" in messages[0], messages
-    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME))] == [
+    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME)) if is_finding(r)] == [
         k for k in healthy_kinds() if k[1] > 1
     ]
     assert glob.glob(str(log_dir / "events.out.tfevents.*"))
@@ -226,7 +227,7 @@ def test_full_disk_under_the_tensorboard_writer_is_reported_once(tmp_path, recor
     messages = internal_warnings(record)
     assert len(messages) == 1 and "TensorBoardReporter" in messages[0], messages
     # The rest of gradwatch keeps working: the JSON lines still get every finding.
-    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME))] == healthy_kinds()
+    assert [(r["kind"], r["step"]) for r in read_jsonl(str(log_dir / FILENAME)) if is_finding(r)] == healthy_kinds()
 
 
 def test_full_disk_under_gradwatch_jsonl_is_reported_once(tmp_path, record) -> None:
@@ -604,3 +605,23 @@ def test_printing_and_replays_leave_the_users_random_streams_alone(tmp_path: Any
         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+BROKEN_STREAMS_WORKER = os.path.join(os.path.dirname(__file__), "_broken_streams_worker.py")
+
+
+@pytest.mark.parametrize("stream", ["closed", "broken-pipe"])
+@pytest.mark.parametrize("integration", ["plain", "lightning"])
+def test_broken_stdout_and_stderr_never_reach_the_training_loop(tmp_path, integration: str, stream: str) -> None:
+    # gradwatch's console print fails, and so does the warning that reports it (Python writes warnings to
+    # sys.stderr): in a process of its own, where warnings are shown as in a user's script, not recorded.
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    proc = subprocess.run(
+        [sys.executable, BROKEN_STREAMS_WORKER, integration, stream, str(out)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["error"] is None, result["error"]
+    assert result["same_weights"] is True

@@ -569,7 +569,8 @@ def test_tensorboard_tags_and_jsonl(tmp_path):
     assert skipped == {0: 0, 3: 1}
     assert "gradwatch/findings/text_summary" in acc.Tags()["tensors"]
     lines = [json.loads(line) for line in open(os.path.join(tmp_path, "gradwatch.jsonl"))]
-    assert [(r["kind"], r["step"]) for r in lines] == kinds(gw)
+    assert lines[0]["event"] == "run_start" and lines[0]["run"] == gw.engine.run_id
+    assert [(r["kind"], r["step"]) for r in lines[1:]] == kinds(gw)
     assert [("nonfinite_loss", 3), ("nonfinite_grad", 3)] == [k for k in kinds(gw) if k[0].startswith("nonfinite")]
 
 
@@ -644,7 +645,8 @@ def test_a_second_live_watcher_on_the_same_optimizer_is_refused():
         ({"every": 0}, ValueError, r"every=0 must be an integer >= 1"),
         ({"every": 1.5}, TypeError, r"every=1.5"),
         ({"max_skips": -1}, ValueError, r"max_skips=-1"),
-        ({"log_dirr": "x"}, TypeError, r"unknown gradwatch option 'log_dirr'; known options: on_nonfinite, log_dir"),
+        ({"log_dirr": "x"}, TypeError,
+         r"unknown gradwatch option 'log_dirr' \(did you mean 'log_dir'\?\); known options: on_nonfinite, log_dir"),
         ({"console": "yes"}, TypeError, r"console='yes'"),
     ],
 )
@@ -652,6 +654,27 @@ def test_bad_configuration_is_refused_with_the_value(kwargs, error, match):
     model = Net()
     with pytest.raises(error, match=match):
         gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_a_misspelled_keyword_suggests_the_nearest_one():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"'on_nonfinte' \(did you mean 'on_nonfinite'\?\)"):
+        gradwatch.watch(model, opt, on_nonfinte="skip")
+    with pytest.raises(TypeError) as info:  # nothing near: no guess, the list of every keyword
+        gradwatch.watch(model, opt, colour_scheme="dark")
+    assert "did you mean" not in str(info.value) and "known options: on_nonfinite" in str(info.value)
+
+
+def test_swapped_model_and_optimizer_name_the_types_not_the_reprs():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError) as info:
+        gradwatch.watch(opt, model)
+    message = str(info.value)
+    assert "got AdamW and a Sequential module as optimizer" in message
+    assert "watch(model, optimizer)" in message
+    assert "\n" not in message and "Parameter Group" not in message and "lr:" not in message
 
 
 def test_bad_model_and_optimizer_are_refused():
@@ -853,3 +876,18 @@ def test_users_own_nan_check_raising_is_named_at_its_step():
                 loss.backward()
                 opt.step()
     assert [(f.kind, f.step) for f in gw.findings] == [("nonfinite_loss", 2)]
+
+
+@pytest.mark.parametrize("width", [40, 80, 200])
+def test_the_end_of_run_summary_prints_the_log_path_whole(tmp_path, width: int) -> None:
+    log_dir = str(tmp_path / "lightning_logs" / "pl_healthy" / "version_12" / "a_long_experiment_name")
+    buf = io.StringIO()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=Console(file=buf, width=width, color_system=None), log_dir=log_dir):
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+    text = buf.getvalue()
+    assert "…" not in text.split("gradwatch summary", 1)[1]
+    assert log_dir in "".join(line.strip() for line in text.splitlines())

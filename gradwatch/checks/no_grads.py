@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding
+from gradwatch.checks.not_in_optimizer import built_for_another_model
 from gradwatch.history import History
 from gradwatch.stats import StepStats
 
@@ -13,6 +14,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     if stats.extra.get("grads_cleared_before_step"):
         return []  # the zero_grad check explains this case precisely
+    if built_for_another_model(stats):
+        return []  # foreign_params explains it: the optimizer holds another model's parameters
     key = f"no_grads/{stats.optimizer_index}"
     if history.reported.get(key):
         return []

@@ -6,6 +6,8 @@ Checked at the first step and whenever the model's or optimizer's set of paramet
 
 from __future__ import annotations
 
+import torch
+
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
@@ -23,8 +25,15 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     # Parameters the optimizer holds that the model no longer owns and that got no gradient: next to model
     # parameters no optimizer holds, a layer replaced after the optimizer was built. One finding says both.
     stale = tuple(n for n in stats.foreign if n in set(stats.none_grad))
-    replaced = bool(stats.not_in_optimizer) and bool(stale)
-    if stats.not_in_optimizer and history.reported.get("not_in_optimizer") != stats.not_in_optimizer:
+    elsewhere = built_for_another_model(stats)  # one foreign_params finding says it all
+    if optimizes_inputs(stats):
+        return out  # adversarial examples, style transfer: the model is the fixed function, not trained
+    replaced = bool(stats.not_in_optimizer) and bool(stale) and not elsewhere
+    if (
+        stats.not_in_optimizer
+        and not elsewhere
+        and history.reported.get("not_in_optimizer") != stats.not_in_optimizer
+    ):
         modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in stats.not_in_optimizer})
         instead = (
             f"Optimizer {stats.optimizer_index} holds {len(stale)} parameter(s) the model no longer owns instead "
@@ -87,7 +96,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 message=(
                     f"Optimizer {stats.optimizer_index} holds {len(shown)} parameter(s) that the "
                     f"watched model does not own{'' if all_foreign else ' and that got no gradient'}: "
-                    f"{names_text(shown)}.\n"
+                    f"{names_text(shown)}.\n" + _untrained(stats, elsewhere) +
                     "Why it matters: usually the optimizer was built for another model (or a copy of this "
                     "one, e.g. before deepcopy or .to() with new parameters), so this model never trains.\n"
                     "Fix: build the optimizer from this model's parameters: optim.AdamW(model.parameters()). "
@@ -96,13 +105,53 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "model.to('meta'), and gradwatch stays quiet.)"
                 ),
                 params=shown,
-                data={"count": len(shown), "optimizer": stats.optimizer_index, "all_foreign": all_foreign},
+                data={
+                    "count": len(shown),
+                    "optimizer": stats.optimizer_index,
+                    "all_foreign": all_foreign,
+                    "another_model": elsewhere,
+                    "model_params_not_in_optimizer": len(stats.not_in_optimizer),
+                },
             )
         )
     return out
 
 
 _FOREIGN_SHOWN = "foreign_params/shown"
+
+
+def built_for_another_model(stats: StepStats) -> bool:
+    """The optimizer holds none of the model's parameters, only tensors the model does not own that got no
+    gradient from the step's backward: it was built for another model (or a copy of this one).
+
+    An optimizer over the model's parameters plus extra tensors (a learned temperature, a second model
+    trained jointly) holds some of the model's; one over inputs (style transfer, adversarial examples)
+    gives them gradients; a model with nothing trainable has no foreign parameters at all."""
+    held_without_grad = set(stats.none_grad)
+    return bool(held_without_grad) and not stats.names and held_without_grad <= set(stats.foreign)
+
+
+def optimizes_inputs(stats: StepStats) -> bool:
+    """The optimizer trains inputs, not a model: every tensor it holds is a plain tensor (no
+    ``nn.Parameter``) the model does not own, and every one got a gradient (an adversarial perturbation, a
+    style-transfer image), while the model may still have ``requires_grad=True`` (``model.eval()`` only)."""
+    held = stats.extra.get("params") or []
+    return (
+        bool(held)
+        and not stats.none_grad
+        and set(stats.names) <= set(stats.foreign)
+        and not any(isinstance(p, torch.nn.Parameter) for p in held)
+    )
+
+
+def _untrained(stats: StepStats, elsewhere: bool) -> str:
+    if not elsewhere:
+        return ""
+    return (
+        f"It holds none of the model's parameters, so the model's {len(stats.not_in_optimizer)} trainable "
+        f"parameter(s) ({names_text(stats.not_in_optimizer)}) get gradients but are never updated, and "
+        "optimizer.step() updates nothing: none of the tensors it holds got a gradient from this loss.\n"
+    )
 
 
 def _unregistered(stats: StepStats, unregistered: list[tuple[str, str]]) -> Finding:

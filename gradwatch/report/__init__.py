@@ -51,12 +51,35 @@ def internal_warning(where: str, exc: BaseException, *, owner: Any = None, key: 
         if place in seen:
             return
         seen.add(place)
-    warnings.warn(
+    safe_warn(
         f"gradwatch: internal error in {where}: {type(exc).__name__}: {exc}. Training continues; this part "
         "of gradwatch is skipped when it fails (reported once).",
         GradWatchInternalWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
+
+
+def safe_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
+    """``warnings.warn`` that cannot end training: a closed or broken ``sys.stderr`` (a detached terminal, a
+    closed pipe) makes Python's warning display raise, and that must not leave ``optimizer.step()``. A
+    warning turned into an error by the user's filters (``-W error``) is still raised: that is their choice.
+    """
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel)
+    except Warning:
+        raise
+    except Exception:  # noqa: BLE001, S110 - gradwatch's own output failed: nothing else to tell it with
+        pass
+
+
+def safe_warn_explicit(message: Any, category: type[Warning], filename: str, lineno: int, source: Any = None) -> None:
+    """``warnings.warn_explicit`` with the guarantee of :func:`safe_warn`."""
+    try:
+        warnings.warn_explicit(message, category, filename, lineno, source=source)
+    except Warning:
+        raise
+    except Exception:  # noqa: BLE001, S110 - see safe_warn
+        pass
 
 
 @contextlib.contextmanager
@@ -101,11 +124,11 @@ def recreate_log_dir(log_dir: str, identity: int) -> None:
         if key in _recreated:
             return
         _recreated.add(key)
-    warnings.warn(
+    safe_warn(
         f"gradwatch: log_dir {log_dir!r} was removed during the run; recreated it. TensorBoard events and "
         "gradwatch.jsonl lines written before are lost; findings are still in memory (watcher.findings).",
         GradWatchInternalWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

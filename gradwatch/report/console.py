@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any, Iterator
 
-from gradwatch.findings import INCIDENT_KINDS, SEVERITIES, Finding, incident_panel
+from gradwatch.findings import INCIDENT_KINDS, Finding, display_order, incident_panel
 from gradwatch.report import host_rng_kept
 
 
@@ -55,15 +55,14 @@ class ConsoleReporter:
     def findings(self, findings: list[Finding]) -> None:
         """One step's findings: those of one non-finite incident (the loss, the gradients, where the NaN was
         born) share one panel, the place it was born first; the others get a panel each."""
-        shown = [f for f in findings if self._admit(f)]
-        incident = [f for f in shown if f.kind in INCIDENT_KINDS]
-        if len(incident) > 1:
-            # The most severe leads (a hedged "the batch also holds NaN" warning follows the error's origin).
-            head = min(incident, key=lambda f: (-SEVERITIES.index(f.severity), INCIDENT_KINDS.index(f.kind)))
-            self.print(incident_panel(head, [f for f in incident if f is not head]))
+        # The most severe leads (a hedged "the batch also holds NaN" warning follows the error's origin).
+        shown = display_order([f for f in findings if self._admit(f)])
+        together = sum(f.kind in INCIDENT_KINDS for f in shown)
+        if together > 1:
+            self.print(incident_panel(shown[0], shown[1:together]))
+            shown = shown[together:]
         for f in shown:
-            if len(incident) <= 1 or all(f is not g for g in incident):
-                self.print(f)
+            self.print(f)
 
     def _admit(self, finding: Finding) -> bool:
         if self.printed[finding.kind] >= self.rate_limit:

@@ -71,6 +71,14 @@ class TensorBoardReporter:
         if not self._closed:
             self._queue.put(fn)
 
+    def event_files(self) -> list[str]:
+        """The name of the event file this reporter's writer writes (none when it cannot be told)."""
+        try:
+            name = self.writer._get_file_writer().event_writer._file_name  # torch's SummaryWriter
+        except Exception:  # noqa: BLE001 - another writer (tensorboardX): the summary matches files by time
+            return []
+        return [os.path.basename(str(name))] if name else []
+
     def flush(self, timeout: float = 10.0) -> None:
         """Block until everything queued so far is written to disk."""
         if self._closed:
