@@ -28,6 +28,43 @@ MEMBER_GRACE = 20
 PER_MEMBER = 8
 
 
+def _unused_in_every_member(name: str, member: tuple[str, str], busy_keys: set[str], none: frozenset[str]) -> bool:
+    """The same submodule (by its path inside the member: ``blocks.0.ln_3.weight`` is ``ln_3.weight``) has
+    no gradient in every member whose other parameters got theirs: ``forward`` never calls it, in any member
+    at once. Routing leaves whole members idle, not the same part of every busy one."""
+    container, key = member
+    prefix = f"{container}.{key}." if container else f"{key}."
+    if len(busy_keys) < 2 or not name.startswith(prefix):
+        return False
+    inner = name[len(prefix) :]
+    return all(
+        (f"{container}.{k}." if container else f"{k}.") + inner in none for k in busy_keys
+    )
+
+
+def _idle_in_every_member(fresh: tuple[str, ...], stats: StepStats) -> str:
+    """Words for parameters unused in every member of their ModuleList/ModuleDict at once, or ''."""
+    member_of = stats.extra.get("member_of")
+    if not callable(member_of):
+        return ""
+    busy: dict[str, set[str]] = {}
+    for m in filter(None, map(member_of, stats.names)):
+        busy.setdefault(m[0], set()).add(m[1])
+    none = frozenset(stats.none_grad)
+    parts: dict[str, set[str]] = {}
+    for n in fresh:
+        m = member_of(n)
+        if m is not None and _unused_in_every_member(n, m, busy.get(m[0], set()), none):
+            inner = n[len(f"{m[0]}.{m[1]}." if m[0] else f"{m[1]}.") :]
+            parts.setdefault(m[0], set()).add(inner.rsplit(".", 1)[0] if "." in inner else inner)
+    return " ".join(
+        f"{', '.join(sorted(subs))} got no gradient in any of the {len(busy[c])} members of {c or 'the model'} "
+        "while their other parameters did: forward never calls it (not routing, which leaves whole members "
+        "idle)."
+        for c, subs in sorted(parts.items())
+    )
+
+
 def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
     """The parameters to report at this step, and the members of containers waiting for their grace."""
     i = stats.optimizer_index
@@ -59,10 +96,12 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
         member = member_of(n)
         if member is not None:
             idle_keys.setdefault(member[0], set()).add(member[1])
+    none = frozenset(stats.none_grad)
     now: list[str] = []
     for n in fresh:
         member = member_of(n)
-        if member is not None and busy_containers.get(member[0], set()) - {member[1]}:
+        busy_keys = busy_containers.get(member[0], set()) if member is not None else set()
+        if member is not None and busy_keys - {member[1]} and not _unused_in_every_member(n, member, busy_keys, none):
             members = len(busy_containers[member[0]] | idle_keys.get(member[0], set()))
             grace = max(MEMBER_GRACE, PER_MEMBER * members) * max(1, config.every)
             first = waiting.setdefault(n, stats.step)
@@ -100,6 +139,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         if since is not None
         else f"at step {stats.step}"
     )
+    idle_parts = _idle_in_every_member(fresh, stats)
+    if idle_parts and not cleared:
+        cause = f"Likely cause here: {idle_parts}\n"
     # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
     replay = stats.extra.get("reentrant_cut")
     cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}

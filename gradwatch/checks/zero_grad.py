@@ -21,11 +21,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         found.append(_missing(stats))
     if stats.extra.get("grads_cleared_before_step") and not history.reported.get(f"grads_cleared_before_step/{i}"):
         found.append(_cleared(stats))
-    if (
-        _cleared_in_loop(stats)
-        and history.memory.get(f"{_IN_LOOP}/{i}")
-        and not history.reported.get(f"{_IN_LOOP}/{i}")
-    ):
+    if _cleared_in_loop(stats) and _repeated(stats, history) and not history.reported.get(f"{_IN_LOOP}/{i}"):
         found.append(_in_loop(stats))
     facts = stats.extra.get("zero_grad") or {}
     if (
@@ -47,13 +43,21 @@ def remember(stats: StepStats, history: History) -> None:
         if stats.extra.get(kind):
             history.reported[f"{kind}/{i}"] = True
     in_loop = _cleared_in_loop(stats)
-    if in_loop and history.memory.get(f"{_IN_LOOP}/{i}"):
+    if in_loop and _repeated(stats, history):
         history.reported[f"{_IN_LOOP}/{i}"] = True
     history.memory[f"{_IN_LOOP}/{i}"] = in_loop
 
 
 _IN_LOOP = "zero_grad_in_accumulation"
 _SPANS = "grads_span_other_step"
+
+
+def _repeated(stats: StepStats, history: History) -> bool:
+    """The cleared micro-batches are the loop's pattern, not a one-off run of passes between two steps (a
+    Fisher estimate): the previous checked step had them too, or this is the optimizer's first checked step
+    (no earlier step for a one-off to fall between: the loop itself ran them)."""
+    i = stats.optimizer_index
+    return bool(history.memory.get(f"{_IN_LOOP}/{i}")) or history.previous(i) is None
 
 
 def _spans(stats: StepStats, facts: dict[str, object]) -> Finding:
@@ -175,6 +179,27 @@ def _missing(stats: StepStats) -> Finding:
             "count": len(params),
             **({"cleared_params": list(gone)} if partial else {}),
         },
+    )
+
+
+def closure_missing(step: int, i: int, optimizer: str, params: tuple[str, ...], evidence: str) -> Finding:
+    """``zero_grad_missing`` inside a closure that ``optimizer.step(closure)`` evaluates several times."""
+    return Finding(
+        kind="zero_grad_missing",
+        step=step,
+        severity="error",
+        message=(
+            f"optimizer {i} ({optimizer}) evaluated its closure a second time at step {step}, and that "
+            "evaluation's backward pass added its gradients onto the first evaluation's: the closure does not "
+            f"clear them. Parameters: {names_text(params)}.\n"
+            f"Why it matters: {optimizer} reads the gradient after every evaluation of the closure (its "
+            "iterations and line search); each one sees the sum of all evaluations so far, so the search "
+            "directions and step sizes are wrong from the first step on.\n"
+            "Fix: call optimizer.zero_grad() at the top of the closure, before loss.backward() "
+            "(def closure(): optimizer.zero_grad(); loss = ...; loss.backward(); return loss)."
+        ),
+        params=params,
+        data={"optimizer": i, "closure": True, "evidence_param": evidence, "count": len(params)},
     )
 
 
