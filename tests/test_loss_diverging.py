@@ -3,7 +3,7 @@ reports a learning rate far too high and a loss-weight typo."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -3,7 +3,7 @@ steps; layers whose tiny gradients are legitimate (a bias feeding a BatchNorm) s
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding
