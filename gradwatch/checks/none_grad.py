@@ -139,6 +139,11 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         if since is not None
         else f"at step {stats.step}"
     )
+    # Without an optimizer (gw.check() before a hand-written update) there is no "optimizer 0".
+    with_optimizer = stats.extra.get("optimizer") is not None
+    whose = f"in optimizer {stats.optimizer_index}" if with_optimizer else "of the model"
+    updater = "the optimizer never updates them" if with_optimizer else "the update (by hand) never changes them"
+    left_out = "the optimizer" if with_optimizer else "the update"
     idle_parts = _idle_in_every_member(fresh, stats)
     if idle_parts and not cleared:
         cause = f"Likely cause here: {idle_parts}\n"
@@ -156,9 +161,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             step=stats.step,
             severity="warning",
             message=(
-                f"{len(fresh)} trainable parameter(s) in optimizer {stats.optimizer_index} got no "
+                f"{len(fresh)} trainable parameter(s) {whose} got no "
                 f"gradient {when}: {names_text(fresh)}.\n"
-                "Why it matters: the optimizer never updates them (their .grad is None), and under "
+                f"Why it matters: {updater} (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
                 + cause
                 + "(Reported once, for parameters that have had no gradient on any checked step so far. If "
@@ -171,7 +176,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     if cut
                     else "\nFix: use them in forward on the path to the loss (check for a branch that is never "
                     "taken or an output that is detached or dropped), or freeze them with requires_grad_(False), "
-                    "or leave them out of the optimizer."
+                    f"or leave them out of {left_out}."
                 )
             ),
             params=fresh,

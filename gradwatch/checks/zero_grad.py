@@ -254,9 +254,31 @@ def _partial_fix(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_opti
     return f"Fix: call zero_grad() on the whole model{instead}{also}."
 
 
+#: Words of ``grads_cleared_before_step`` with an optimizer (True) and with ``gw.check()`` and no optimizer.
+_STEP_WORDS = {
+    True: {
+        "who": "optimizer {i}.step()",
+        "step": "optimizer.step()",
+        "short": "step()",
+        "why": "the step applies no gradient (only weight decay and momentum move the weights)",
+        "fix": "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
+        "the gradients right after step()).",
+    },
+    False: {
+        "who": "gw.check()",
+        "step": "the update",
+        "short": "update",
+        "why": "the update applies no gradient",
+        "fix": "Fix: order each iteration as model.zero_grad(); loss.backward(); gw.check(); the update (or clear "
+        "the gradients right after the update).",
+    },
+}
+
+
 def _cleared(stats: StepStats) -> Finding:
     i = stats.optimizer_index
     facts = stats.extra.get("zero_grad") or {}
+    with_optimizer = bool(facts.get("has_optimizer", True))
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
     what = "all zero" if stats.names else "None"
@@ -267,21 +289,18 @@ def _cleared(stats: StepStats) -> Finding:
             "itself, after each optimizer step."
         )
     else:
-        fix = (
-            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
-            "the gradients right after step())."
-        )
+        fix = _STEP_WORDS[with_optimizer]["fix"]
+    words = _STEP_WORDS[with_optimizer]
     return Finding(
         kind="grads_cleared_before_step",
         step=stats.step,
         severity="error",
         message=(
-            f"optimizer {i}.step() at step {stats.step} found every gradient {what}, although "
+            f"{words['who'].format(i=i)} at step {stats.step} found every gradient {what}, although "
             f"{passes} backward pass{'es' if passes != 1 else ''} produced gradients since the previous step: "
-            "zero_grad() was called between loss.backward() and optimizer.step(), or optimizer.step() comes "
-            "before loss.backward() in the loop (zero_grad(); step(); backward()).\n"
-            "Why it matters: the step applies no gradient (only weight decay and momentum move the weights); "
-            "the model does not learn from the data.\n" + fix
+            f"zero_grad() was called between loss.backward() and {words['step']}, or {words['step']} comes "
+            f"before loss.backward() in the loop (zero_grad(); {words['short']}; backward()).\n"
+            f"Why it matters: {words['why']}; the model does not learn from the data.\n" + fix
         ),
         params=params,
         data={"optimizer": i, "backward_passes": passes, "grads": what, "count": len(params)},
