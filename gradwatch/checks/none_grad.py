@@ -7,7 +7,6 @@ from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
 from gradwatch.stats import StepStats
 
-
 _EMPTY: frozenset[str] = frozenset()
 
 
