@@ -589,7 +589,8 @@ class ZeroGradTracker:
 
         op = self.engine.index.per_optimizer[index]
         names = tuple(n for p, n in zip(op.params, op.names) if p.grad is not None)
-        return closure_missing(step, index, type(op.optimizer).__name__, names, t.rep_name)
+        optimizer = type(op.optimizer).__name__ if op.optimizer is not None else "the optimizer"
+        return closure_missing(step, index, optimizer, names, t.rep_name)
 
     @staticmethod
     def _state(t: _Tracker, g: torch.Tensor | None) -> str:

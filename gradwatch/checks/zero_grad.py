@@ -55,9 +55,11 @@ _SPANS = "grads_span_other_step"
 def _repeated(stats: StepStats, history: History) -> bool:
     """The cleared micro-batches are the loop's pattern, not a one-off run of passes between two steps (a
     Fisher estimate): the previous checked step had them too, or this is the optimizer's first checked step
-    (no earlier step for a one-off to fall between: the loop itself ran them)."""
+    (no earlier step for a one-off to fall between: the loop itself ran them), unless a GradScaler dropped
+    steps before it (each of their passes was cleared by the next iteration's zero_grad(), with no step)."""
     i = stats.optimizer_index
-    return bool(history.memory.get(f"{_IN_LOOP}/{i}")) or history.previous(i) is None
+    first = history.previous(i) is None and not stats.extra.get("scaler_dropped")
+    return bool(history.memory.get(f"{_IN_LOOP}/{i}")) or first
 
 
 def _spans(stats: StepStats, facts: dict[str, object]) -> Finding:
