@@ -762,9 +762,12 @@ class Engine:
         """
         if self._closed or self.config.deferred:
             return True
-        try:
-            if evaluation == 2:
+        if evaluation == 2:
+            try:
                 self._closure_kept_gradients(opt_index, step)
+            except Exception as exc:  # noqa: BLE001 - never make training worse
+                internal_warning("closure zero_grad", exc, owner=self)
+        try:
             finding = self._reevaluation_finding(opt_index, loss, evaluation, step, large_loss)
         except Exception as exc:  # noqa: BLE001 - never make training worse
             internal_warning("guard_reevaluation", exc, owner=self)
