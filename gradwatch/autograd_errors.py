@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gradwatch.findings import Finding, names_text
+from gradwatch.inplace_source import SourceWrite, local_writer
 from gradwatch.params import user_module
 from gradwatch.tracing import (
     ForwardTracer,
@@ -440,9 +441,10 @@ def _inplace_backward(ctx: _Context, m: re.Match[str]) -> Finding | None:
         if foreign is not None:
             return _foreign_leaf_finding(ctx, *foreign, shape, now, expected, data, op)
     if raw_op is None or op in _VIEW_OPS:
-        buffer = _modified_buffer(ctx, shape, now)
-        if buffer is not None:
-            return _buffer_finding(ctx, buffer, shape, now, expected, data)
+        for facts, finding in _SAVED_TENSOR_CAUSES:
+            found = facts(ctx, shape, now)
+            if found is not None:
+                return finding(ctx, found, shape, now, expected, data)
     record = ctx.tracer.record_for(producer) if ctx.tracer is not None and producer is not None else None
     if record is None and ctx.tracer is not None and op is not None and ctx.tracer.traced_step:
         matches = ctx.tracer.find(op, shape, now)
@@ -712,6 +714,62 @@ def _buffer_finding(
     )
 
 
+def _user_frames_innermost(ctx: _Context) -> list[tuple[Any, int]]:
+    return [(f, ctx.lines.get(id(f), f.f_lineno)) for f in reversed(ctx.user_frames())]
+
+
+def _modified_local(ctx: _Context, shape: tuple[int, ...], now: int) -> SourceWrite | None:
+    """A local tensor of the user's code (a loss's target), not the model's, at the version PyTorch reports
+    and written in place in the source (``label.fill_(0)``): decided by the version counter and the write,
+    not by a shape that a buffer may share (a BatchNorm's running_mean when the batch size equals its
+    channel count)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    model = ctx.model
+    owned = {id(t) for t in (*model.parameters(), *model.buffers())} if model is not None else set()
+
+    def is_it(t: torch.Tensor) -> bool:
+        base = t._base if t._base is not None else t
+        return t._version == now and t.numel() == numel and id(base) not in owned and not t.requires_grad
+
+    return local_writer(_user_frames_innermost(ctx), is_it)
+
+
+def _local_finding(
+    ctx: _Context, write: SourceWrite, shape: tuple[int, ...], now: int, expected: int, data: dict[str, Any]
+) -> Finding:
+    saver = data.get("consumer") or "a backward node"
+    lines = [
+        (
+            f"backward() failed at step {ctx.step}: tensor {write.name} (shape {list(shape)}) was modified in place "
+            f"after {saver} saved it ({_versions_text(now, expected)}); autograd needs the value it saved (for a "
+            "loss, its target) to compute the gradient."
+        ),
+        f"Modified by: {write.spelled} at {write.source}.",
+    ]
+    data.update(tensor=write.name, module_exact=False, outside_model=True, modified_by=write.op,
+                modified_at=write.source)
+    fix = (
+        f"Fix: give the later use its own tensor instead of writing into {write.name}: "
+        + (
+            f"{write.name} = torch.full_like({write.name}, value) instead of {write.spelled}"
+            if write.op == "fill_"
+            else f"{write.name} = {write.name}.clone() before {write.spelled}, or its out-of-place form"
+        )
+        + f" (or call backward() on the first loss before {write.name} changes)."
+    )
+    return _inplace_finding(ctx, lines, None, None, data, fix=fix)
+
+
+#: Causes of a saved tensor with no grad_fn (or a view of one) changed in place: ``(facts, finding)``, the
+#: first whose facts are found speaks.
+_SAVED_TENSOR_CAUSES: tuple[tuple[Any, Any], ...] = (
+    (_modified_local, _local_finding),
+    (_modified_buffer, _buffer_finding),
+)
+
+
 def _versions_text(now: int, expected: int) -> str:
     changes = now - expected
     return f"saved at version {expected}, now at version {now} ({changes} in-place change{'s' if changes != 1 else ''})"
@@ -748,7 +806,25 @@ def _inplace_traced(
         modified_in=None if culprit is None else ctx.display_module(culprit.module),
         modified_at=culprit_source,
     )
+    tensor = record.tensor()
+    written = _written_after_forward(ctx, tensor) if culprit is None and tensor is not None else None
+    if written is not None:
+        # Not traced: the write ran in the training code after the forward (`probs.clamp_(min=1e-6)`).
+        lines.append(f"Modified by: {written.spelled} at {written.source} (in the training code, after the forward).")
+        data.update(modified_by=written.op, modified_at=written.source)
+        name = written.name
+        out_of_place = f"{name} = {name}.{written.op[:-1]}(...)" if written.op.endswith("_") else f"{name} = {name}.clone()"
+        return _inplace_finding(
+            ctx, lines, module, op, data,
+            fix=f"Fix: write it out of place, {out_of_place} instead of {written.spelled}: a new tensor, and the "
+            f"output of {op} that autograd saved stays as it was.",
+        )
     return _inplace_finding(ctx, lines, module, op, data)
+
+
+def _written_after_forward(ctx: _Context, tensor: torch.Tensor) -> SourceWrite | None:
+    """The user's local bound to ``tensor`` (or a view of it) and its in-place write in the source."""
+    return local_writer(_user_frames_innermost(ctx), lambda t: t is tensor or t._base is tensor)
 
 
 def _modified_by(ctx: _Context, writes: list[InplaceRecord], lines: list[str]) -> str | None:

@@ -631,7 +631,7 @@ class RankAgreement:
                 kind="nan_origin",
                 step=stats.step,
                 severity="error",
-                message=f"On rank {data['origin_rank']} (this rank got it through the gradient all-reduce): "
+                message=f"On rank {data['origin_rank']} (rank {self.rank}, reporting, got it through the gradient all-reduce): "
                 + str(other.get("message", "")),
                 module=data.get("module"),
                 op=data.get("op"),

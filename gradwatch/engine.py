@@ -765,6 +765,11 @@ class Engine:
         """
         if self._closed or self.config.deferred:
             return True
+        if evaluation == 2:
+            try:
+                self._closure_kept_gradients(opt_index, step)
+            except Exception as exc:  # noqa: BLE001 - never make training worse
+                internal_warning("closure zero_grad", exc, owner=self)
         try:
             finding = self._reevaluation_finding(opt_index, loss, evaluation, step, large_loss)
         except Exception as exc:  # noqa: BLE001 - never make training worse
@@ -808,6 +813,19 @@ class Engine:
         bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
         bad_loss = next((v for v in values[loss_slot] if not math.isfinite(v)), None) if live else None
         return bad_loss, bad, counts, len(names)
+
+    def _closure_kept_gradients(self, opt_index: int, step: int | None) -> None:
+        """The closure's second evaluation added its gradient onto the first one's: the closure does not
+        clear them. Reported at this step, once (the next step's check would see the same)."""
+        from gradwatch.zero_grad import ZeroGradTracker
+
+        tracker, key = self.extension(ZeroGradTracker), f"zero_grad_missing/{opt_index}"
+        if tracker is None or self.history.reported.get(key):
+            return
+        finding = tracker.closure_finding(opt_index, self.step_counts[opt_index] if step is None else step)
+        if finding is not None:
+            self.history.reported[key] = True
+            self.add_finding(finding)
 
     def _reevaluation_finding(self, opt_index: int, loss: Any, evaluation: int, step: int | None,
                               large_loss: bool) -> Finding | None:

@@ -2174,6 +2174,8 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         )
     module = origin.module
     where_module = module if module is not None else ("training_step" if result.lightning else "outside any module")
+    # "in module training_step" would name a function as a module.
+    where_in = f"in module {module}" if module is not None else ("in training_step" if result.lightning else "outside any module")
     data.update(
         phase=origin.phase,
         op=origin.op,
@@ -2195,7 +2197,7 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     if origin.source:
         line = f"\n    {origin.source}" + (f"\n      {origin.code}" if origin.code else "")
     inc = origin.incoming
-    fwd_op = f" ({origin.forward_op})" if origin.forward_op else ""
+    fwd_op = f" ({origin.forward_op})" if origin.forward_op and origin.forward_op != origin.op else ""
     if origin.phase == "loss":
         received, fwd = _backward_context(inc)
         how_born = (
@@ -2217,8 +2219,8 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
         if origin.explicit_operand:
             inputs += "; it was given an explicit non-finite Python number (float('inf') or float('nan'))"
         what = (
-            f"Born in the forward pass of step {step}: op {origin.op} ({origin.forward_op}) in module "
-            f"{where_module}{line}\n{inputs}; its output holds {produced}."
+            f"Born in the forward pass of step {step}: op {origin.op}{fwd_op} {where_in}"
+            f"{line}\n{inputs}; its output holds {produced}."
         )
         if loc.first_module is not None:
             what += f" First module with a non-finite output: {loc.first_module}"
@@ -2231,14 +2233,14 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
             f"The loss of step {step} was already non-finite in the forward pass, although the model's "
             "output was finite: the loss computation made it first (squaring or exponentiating a finite but "
             "huge output overflows: float32 ends at 3.4e38, so x ** 2 at |x| > 1.8e19). In the backward pass "
-            f"the first op to go non-finite was {origin.op}{fwd_op} in module {where_module}{line}\n"
+            f"the first op to go non-finite was {origin.op}{fwd_op} {where_in}{line}\n"
             f"It received {received} and produced {produced}.{fwd}"
         )
     else:
         received, fwd = _backward_context(inc)
         what = (
             f"Born in the backward pass of step {step} (the forward pass was finite): op {origin.op}"
-            f"{fwd_op} in module {where_module}{line}\n"
+            f"{fwd_op} {where_in}{line}\n"
             f"It received {received} and produced {produced}.{fwd}"
         )
     if result.surrogate and origin.phase == "backward":

@@ -46,8 +46,9 @@ unscaling it in place after that pass keeps it so; writing other values into it 
 in a DP-SGD loop written by hand) does not. The tensor hook counts the passes since the gradient was last
 found cleared between two passes (``kept_passes``): 1 means the step holds its last pass only, whether each
 pass cleared the one before or one ``zero_grad`` right before the last discarded the accumulated ones
-(Accelerate's ``accumulate()`` with ``zero_grad()`` at its top). Once a step had 3+ backward passes ending so,
-one parameter with at least 16 elements gets a third hook (until a step no longer has them), which keeps a
+(Accelerate's ``accumulate()`` with ``zero_grad()`` at its top). On the first step, and once a step had 3+
+backward passes ending so, one parameter with at least 16 elements gets a third hook (until a step no longer
+has them), which keeps a
 16-element strided sample of its gradient after each backward pass (taken again at the end of the backward
 call, after DDP's reducer wrote the averaged gradient into ``.grad``); a step whose gradient changed in place
 after its last pass queues one lazy flag: is it still a multiple of that sample?
@@ -407,6 +408,10 @@ class ZeroGradTracker:
             if candidates:
                 p, n = min(candidates, key=lambda c: c[0].numel())
                 t.hook(p, n)
+                # Sampled from the first step on (the first check disarms it unless that step had cleared
+                # micro-batches): zero_grad() in the accumulation loop is then told from gradients the code
+                # rewrote after its last pass at step 0 already.
+                t.arm_sampling(True, [c[0] for c in candidates])
                 if n in foreign and owned:  # no hooks: is the model's own gradient a new tensor each step?
                     t.model_param = min(owned, key=lambda c: c[0].numel())[0]
                 t.pick_sentinel(candidates)
@@ -567,6 +572,25 @@ class ZeroGradTracker:
         t.hook(s, t.sentinel_name)
         t.sentinel, t.sentinel_name = old, old_name
         return True
+
+    def closure_finding(self, index: int, step: int) -> Any:
+        """At a closure's second evaluation within a checked step (LBFGS): the representative's gradient is
+        the first evaluation's tensor with only this evaluation's accumulation since, and it held non-zero
+        values before it (one read): the closure never clears the gradients. The finding, or None."""
+        t = self.trackers[index] if index < len(self.trackers) else None
+        if t is None or t.rep is None or t.base_ref is None or t.cleared or not t.old_nonzero:
+            return None
+        g = t.rep.grad
+        if g is None or g is not t.base_ref() or g._version != t.base_version + t.accumulations:
+            return None
+        if not bool(torch.stack(t.old_nonzero).all()):
+            return None  # zeroed through .data in the closure
+        from gradwatch.checks.zero_grad import closure_missing
+
+        op = self.engine.index.per_optimizer[index]
+        names = tuple(n for p, n in zip(op.params, op.names) if p.grad is not None)
+        optimizer = type(op.optimizer).__name__ if op.optimizer is not None else "the optimizer"
+        return closure_missing(step, index, optimizer, names, t.rep_name)
 
     @staticmethod
     def _state(t: _Tracker, g: torch.Tensor | None) -> str:

@@ -1214,3 +1214,55 @@ def test_inplace_write_into_a_parameter_names_the_parameter(case: str) -> None:
         assert f.params == ("0.weight",) and "with torch.no_grad(): for p in critic.parameters()" in f.message
     else:
         assert f.params == ("embedding.weight",) and "padding_idx=PAD" in f.message
+
+
+# -- in-place writes of the training code, outside the model's forward -----------------------------------
+
+
+def _gan_label_refilled(batch: int) -> gradwatch.Watcher:
+    """A DCGAN discriminator step that refills its label tensor in place after the first BCE saved it; the
+    BatchNorm has 8 channels, so with batch=8 its running_mean has the target's shape (and version)."""
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Sigmoid())
+    criterion = nn.BCELoss()
+    opt = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(disc, opt, console=False) as gw:
+            for _ in range(2):
+                label = torch.full((batch,), 1.0)
+                opt.zero_grad()
+                err_real = criterion(disc(torch.randn(batch, 4)).view(-1), label)
+                label.fill_(0.0)  # the bug: the first BCE saved label as its target
+                err_fake = criterion(disc(torch.randn(batch, 4)).view(-1), label)
+                (err_real + err_fake).backward()
+                opt.step()
+    return gw
+
+
+@pytest.mark.parametrize("batch", [8, 5])
+def test_a_loss_target_refilled_in_place_is_named_with_its_line_not_a_same_size_buffer(batch: int) -> None:
+    gw = _gan_label_refilled(batch)
+    (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
+    assert "tensor label (shape" in f.message and "BinaryCrossEntropyBackward0 saved it" in f.message
+    assert "running_mean" not in f.message
+    assert re.search(r"Modified by: label\.fill_\(\) at .*test_autograd_errors\.py:\d+: label\.fill_\(0\.0\)", f.message)
+    assert f.data["tensor"] == "label" and f.data["modified_by"] == "fill_" and f.module is None
+    assert "torch.full_like(label, value)" in f.message
+
+
+def test_an_in_place_clamp_of_a_model_output_after_the_forward_names_the_op_and_its_line() -> None:
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3), nn.Softmax(dim=-1))
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with gradwatch.watch(policy, opt, console=False) as gw:
+            probs = policy(torch.randn(5, 4))
+            probs.clamp_(min=1e-6)  # the bug: Softmax saved its output
+            actions = torch.multinomial(probs, 1)
+            loss = -torch.log(probs.gather(1, actions)).mean()
+            opt.zero_grad()
+            loss.backward()
+    (f,) = [f for f in gw.findings if f.kind == "inplace_error"]
+    assert f.op == "Softmax" and f.module == "3"
+    assert re.search(r"Modified by: probs\.clamp_\(\) at .*test_autograd_errors\.py:\d+: probs\.clamp_\(min=1e-6\)", f.message)
+    assert f.data["modified_by"] == "clamp_" and "probs = probs.clamp(...)" in f.message

@@ -738,7 +738,10 @@ def _lm_run(lr: float, steps: int = 20) -> gradwatch.Watcher:
 def test_loss_thrown_up_by_a_learning_rate_far_too_high_is_diverging() -> None:
     gw = _lm_run(lr=1.0)
     found = [f for f in gw.findings if f.kind == "loss_diverging"]
-    assert [(f.step, f.severity) for f in found] == [(10, "warning")], [(f.kind, f.step) for f in gw.findings]
+    # Thrown up at step 1, so only step 0 is a start: reported once the recent window holds only the
+    # thrown-up level, steady enough that step 0 cannot be a lucky batch (about step 13).
+    assert [f.severity for f in found] == ["warning"], [(f.kind, f.step) for f in gw.findings]
+    assert 10 <= found[0].step <= 16 and found[0].data["reference"] == "lowest"
     assert found[0].data["ratio"] > 10 and "learning rate now 1" in found[0].message
 
 

@@ -2,13 +2,23 @@
 
 A learning rate far too high (an ``lr`` typo, Adam without warm-up on a Transformer) can throw the loss up
 in the first steps and keep it there with finite gradients: the rolling windows of ``loss_spike`` and
-``exploding_grad`` then take the diverged level for normal. This check compares with the run's start: the
-lowest of its first ``START`` observed losses. Reported once, when the last ``RECENT`` checked losses are
-all above ``FLOOR`` times that start and their median above ``FACTOR`` times it, within the first ``EARLY``
-checked steps. Positive losses only (a
-loss that can be negative has no such scale), a start of at least ``MIN_START`` (a loss that starts at almost
-zero, an actor's loss from a critic near 0 or a zero-initialized output, has no scale to be 10x of either),
-and not with several optimizers (GAN losses rise by design).
+``exploding_grad`` then take the diverged level for normal. This check compares with the run's start, robustly: one batch of a small-batch run can be 100x below the
+level (a batch-size-1 squared error is 100x below its median one time in twenty), so a single lucky batch is
+no reference. Reported once, within the first ``EARLY`` checked steps, when the last ``RECENT`` checked losses
+are all above ``FLOOR`` times the start and their median is above the start by a margin that grows with the
+noise the run shows, for one of two references (``REFERENCES``):
+
+- ``median``: the median of the first ``START`` checked losses; the margin is ``FACTOR`` times
+  ``exp(NOISE x`` the median step-to-step change of log-loss in the recent window``)``: a loss that moves 3x
+  from batch to batch needs to climb 10 x 9 = 90x before it counts.
+- ``lowest``: the lowest of the first ``FAST`` checked losses, for a loss thrown up at once (at step 1, before
+  any median can form); this one value may be a lucky batch, so the recent window must lie far above it
+  compared with its own spread: median over start at least (median over lowest recent) ** ``DEPTH``. A loss
+  thrown 15x and staying within 1.3x of its level passes; a noisy loss never does.
+
+Positive losses only (a loss that can be negative has no such scale), a start of at least ``MIN_START`` (a
+loss that starts at almost zero, an actor's loss from a critic near 0 or a zero-initialized output, has no
+scale to be 10x of either), and not with several optimizers (GAN losses rise by design).
 
 Also reported: a loss thrown ``PEAK`` x above that start that then falls back because the model died (every
 gradient exactly zero for ``DEAD`` checked steps in a row: exploded weights saturate the units, or x ** 2 in
@@ -18,6 +28,8 @@ a norm overflows and rsqrt(inf) = 0 zeroes the activations). Its loss looks calm
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable
 from typing import Any
 
 from gradwatch.config import Config
@@ -26,7 +38,8 @@ from gradwatch.history import History
 from gradwatch.magnitude import median
 from gradwatch.stats import StepStats
 
-START = 3
+START = 5
+FAST = 3
 RECENT = 10
 #: Only within the run's first checked steps with a loss: a learning rate far too high throws the loss up
 #: at once. Later, a loss can grow by design (a REINFORCE loss summed over longer episodes, a target scale
@@ -36,6 +49,10 @@ JUMP = 3.0
 _COUNT = "loss_diverging/checks"
 FACTOR = 10.0
 FLOOR = 3.0
+#: ``median`` reference: the margin over FACTOR, per unit of the recent window's median |log(loss / previous)|.
+NOISE = 2.0
+#: ``lowest`` reference: the start must lie below the recent median by this power of the window's own spread.
+DEPTH = 8.0
 MIN_START = 1e-3
 _FIRST = "loss_diverging/first"
 _KEY = "loss_diverging"
@@ -51,8 +68,32 @@ def _recent(stats: StepStats, history: History) -> list[float]:
     return [*losses, stats.loss] if stats.loss is not None else losses
 
 
-def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | None:
-    """``(start, median of the recent losses, how many)`` when the loss has diverged; else None."""
+def _step_noise(recent: list[float]) -> float:
+    """Median |log(loss / previous loss)| over the window: how far the loss moves from batch to batch."""
+    return median(abs(math.log(b / a)) for a, b in itertools.pairwise(recent))
+
+
+def _median_margin(first: list[float], recent: list[float], level: float) -> tuple[float, float]:
+    return median(first[:START]), FACTOR * math.exp(NOISE * _step_noise(recent))
+
+
+def _lowest_margin(first: list[float], recent: list[float], level: float) -> tuple[float, float]:
+    return min(first[:FAST]), max(FACTOR, (level / min(recent)) ** DEPTH)
+
+
+Margin = Callable[[list[float], list[float], float], tuple[float, float]]
+#: reference name -> (how the start is told in the message, ``(first, recent, level) -> (start, margin)``).
+REFERENCES: dict[str, tuple[str, Margin]] = {
+    "median": (f"median of the first {START} checked steps", _median_margin),
+    "lowest": (
+        f"lowest of the first {FAST} checked steps; the recent steps stay close to their own median",
+        _lowest_margin,
+    ),
+}
+
+
+def _facts(stats: StepStats, history: History) -> tuple[float, float, int, str] | None:
+    """``(start, median of the recent losses, how many, reference)`` when the loss has diverged; else None."""
     first = history.memory.get(_FIRST)
     if not isinstance(first, list) or len(first) < START or history.reported.get(_KEY):
         return None
@@ -60,21 +101,20 @@ def _facts(stats: StepStats, history: History) -> tuple[float, float, int] | Non
         return None
     if stats.loss is None or stats.loss_nonfinite or stats.extra.get("several_optimizers"):
         return None
-    start = min(first)
-    if start < MIN_START:
-        return None
     recent = _recent(stats, history)
-    if len(recent) < RECENT or min(recent) <= FLOOR * start:
-        return None
-    level = median(recent)
-    if not level > FACTOR * start:
+    if len(recent) < RECENT or min(recent) <= 0:
         return None
     # Thrown up, not grown: some checked step jumped JUMP x over the one before (a loss whose scale grows
     # with a curriculum or a target amplitude climbs smoothly).
     seq = [*history.losses, stats.loss]
     if not any(b > JUMP * a for a, b in itertools.pairwise(seq) if a > 0):
         return None
-    return start, level, len(recent)
+    level = median(recent)
+    for name, (_, margin) in REFERENCES.items():
+        start, needed = margin(first, recent, level)
+        if start >= MIN_START and min(recent) > FLOOR * start and level > needed * start:
+            return start, level, len(recent), name
+    return None
 
 
 def _died(stats: StepStats, history: History) -> tuple[float, float] | None:
@@ -90,7 +130,7 @@ def _died(stats: StepStats, history: History) -> tuple[float, float] | None:
     norms = list(history.total_norms.get(stats.optimizer_index, ()))[-(DEAD - 1) :]
     if len(norms) < DEAD - 1 or any(v != 0.0 for v in norms):
         return None
-    start = min(first)
+    start = min(first[:FAST])
     if start < MIN_START:
         return None
     seq = [*history.losses, stats.loss]
@@ -108,7 +148,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _facts(stats, history)
     if facts is None:
         return []
-    start, level, n = facts
+    start, level, n, reference = facts
     lrs = _learning_rates(stats.extra.get("optimizer"))
     lr_text = f" (learning rate now {lrs})" if lrs else ""
     why = (
@@ -125,7 +165,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             severity="warning",
             message=(
                 f"The loss is diverging: its median over the last {n} checked steps is {level:.4g}, "
-                f"{level / start:.3g}x the {start:.4g} it started at (lowest of the first {START} checked steps), "
+                f"{level / start:.3g}x the {start:.4g} it started at ({REFERENCES[reference][0]}), "
                 f"and none of those steps came back below {FLOOR:g}x the start{lr_text}.\n"
                 f"Why it matters: {why}.\n"
                 "Fix: lower the learning rate (10x at a time; check for a typo such as lr=1 instead of 1e-3), "
@@ -133,7 +173,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "(torch.nn.utils.clip_grad_norm_), and check that the loss is minimized (not maximized) "
                 "with targets on the scale the model can reach."
             ),
-            data={"start": start, "median": level, "ratio": level / start, "steps": n},
+            data={"start": start, "median": level, "ratio": level / start, "steps": n, "reference": reference},
         )
     ]
 
@@ -146,7 +186,7 @@ def _died_finding(stats: StepStats, start: float, peak: float) -> Finding:
         step=stats.step,
         severity="warning",
         message=(
-            f"The loss diverged and the model died: it rose from {start:.4g} (lowest of the first {START} checked "
+            f"The loss diverged and the model died: it rose from {start:.4g} (lowest of the first {FAST} checked "
             f"steps) to {peak:.4g}, {peak / start:.3g}x, and for the last {DEAD} checked steps every gradient has "
             f"been exactly zero, the loss stuck at {stats.loss:.4g}{lr_text}.\n"
             "Why it matters: the updates threw the weights so far that no gradient flows back any more "
@@ -176,5 +216,5 @@ def remember(stats: StepStats, history: History) -> None:
         return
     history.memory[_COUNT] = history.memory.get(_COUNT, 0) + 1
     first = history.memory.setdefault(_FIRST, [])
-    if len(first) < START:
+    if len(first) < START:  # FAST <= START: both references read this list
         first.append(float(stats.loss))

@@ -7,7 +7,6 @@ from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
 from gradwatch.stats import StepStats
 
-
 _EMPTY: frozenset[str] = frozenset()
 
 
@@ -26,6 +25,43 @@ def _never(stats: StepStats, history: History) -> frozenset[str]:
 #: the container (12 task heads taken in turn, or sampled by dataset size, need more than 12 steps).
 MEMBER_GRACE = 20
 PER_MEMBER = 8
+
+
+def _unused_in_every_member(name: str, member: tuple[str, str], busy_keys: set[str], none: frozenset[str]) -> bool:
+    """The same submodule (by its path inside the member: ``blocks.0.ln_3.weight`` is ``ln_3.weight``) has
+    no gradient in every member whose other parameters got theirs: ``forward`` never calls it, in any member
+    at once. Routing leaves whole members idle, not the same part of every busy one."""
+    container, key = member
+    prefix = f"{container}.{key}." if container else f"{key}."
+    if len(busy_keys) < 2 or not name.startswith(prefix):
+        return False
+    inner = name[len(prefix) :]
+    return all(
+        (f"{container}.{k}." if container else f"{k}.") + inner in none for k in busy_keys
+    )
+
+
+def _idle_in_every_member(fresh: tuple[str, ...], stats: StepStats) -> str:
+    """Words for parameters unused in every member of their ModuleList/ModuleDict at once, or ''."""
+    member_of = stats.extra.get("member_of")
+    if not callable(member_of):
+        return ""
+    busy: dict[str, set[str]] = {}
+    for m in filter(None, map(member_of, stats.names)):
+        busy.setdefault(m[0], set()).add(m[1])
+    none = frozenset(stats.none_grad)
+    parts: dict[str, set[str]] = {}
+    for n in fresh:
+        m = member_of(n)
+        if m is not None and _unused_in_every_member(n, m, busy.get(m[0], set()), none):
+            inner = n[len(f"{m[0]}.{m[1]}." if m[0] else f"{m[1]}.") :]
+            parts.setdefault(m[0], set()).add(inner.rsplit(".", 1)[0] if "." in inner else inner)
+    return " ".join(
+        f"{', '.join(sorted(subs))} got no gradient in any of the {len(busy[c])} members of {c or 'the model'} "
+        "while their other parameters did: forward never calls it (not routing, which leaves whole members "
+        "idle)."
+        for c, subs in sorted(parts.items())
+    )
 
 
 def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
@@ -59,10 +95,12 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
         member = member_of(n)
         if member is not None:
             idle_keys.setdefault(member[0], set()).add(member[1])
+    none = frozenset(stats.none_grad)
     now: list[str] = []
     for n in fresh:
         member = member_of(n)
-        if member is not None and busy_containers.get(member[0], set()) - {member[1]}:
+        busy_keys = busy_containers.get(member[0], set()) if member is not None else set()
+        if member is not None and busy_keys - {member[1]} and not _unused_in_every_member(n, member, busy_keys, none):
             members = len(busy_containers[member[0]] | idle_keys.get(member[0], set()))
             grace = max(MEMBER_GRACE, PER_MEMBER * members) * max(1, config.every)
             first = waiting.setdefault(n, stats.step)
@@ -100,6 +138,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         if since is not None
         else f"at step {stats.step}"
     )
+    # Without an optimizer (gw.check() before a hand-written update) there is no "optimizer 0".
+    with_optimizer = stats.extra.get("optimizer") is not None
+    whose = f"in optimizer {stats.optimizer_index}" if with_optimizer else "of the model"
+    updater = "the optimizer never updates them" if with_optimizer else "the update (by hand) never changes them"
+    left_out = "the optimizer" if with_optimizer else "the update"
+    idle_parts = _idle_in_every_member(fresh, stats)
+    if idle_parts and not cleared:
+        cause = f"Likely cause here: {idle_parts}\n"
     # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
     replay = stats.extra.get("reentrant_cut")
     cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
@@ -114,9 +160,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             step=stats.step,
             severity="warning",
             message=(
-                f"{len(fresh)} trainable parameter(s) in optimizer {stats.optimizer_index} got no "
+                f"{len(fresh)} trainable parameter(s) {whose} got no "
                 f"gradient {when}: {names_text(fresh)}.\n"
-                "Why it matters: the optimizer never updates them (their .grad is None), and under "
+                f"Why it matters: {updater} (their .grad is None), and under "
                 "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
                 + cause
                 + "(Reported once, for parameters that have had no gradient on any checked step so far. If "
@@ -129,7 +175,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     if cut
                     else "\nFix: use them in forward on the path to the loss (check for a branch that is never "
                     "taken or an output that is detached or dropped), or freeze them with requires_grad_(False), "
-                    "or leave them out of the optimizer."
+                    f"or leave them out of {left_out}."
                 )
             ),
             params=fresh,

@@ -53,6 +53,22 @@ def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> 
     return dataclasses.replace(finding, message=message, data=data)
 
 
+def holding_module(stats: StepStats) -> str | None:
+    """The innermost module (below the root) that holds every non-finite gradient, so that findings can be
+    filtered by module: ``enc`` for ``enc.0.weight`` and ``enc.2.bias``; None when they span the model."""
+    bad = set(stats.nonfinite)
+    modules = [m for n, m in zip(stats.names, stats.modules) if n in bad]
+    if not modules or any(m is None for m in modules):  # a parameter the model does not own
+        return None
+    paths = [m.split(".") for m in set(modules) if m is not None]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common) or None
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     out: list[Finding] = []
     action = _ACTION[config.on_nonfinite]
@@ -137,6 +153,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 step=stats.step,
                 severity="error",
                 message=message,
+                module=holding_module(stats),
                 data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite,
                       "after_exploding": bool(cause),
                       "float16_overflow": half and not (stats.loss is not None and math.isnan(stats.loss))},
@@ -178,7 +195,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     "high a learning rate."
                 ),
                 params=stats.nonfinite,
-                module=modules[0] if len(modules) == 1 and modules[0] else None,
+                module=holding_module(stats),
                 data={
                     "nan_counts": dict(stats.nan_counts),
                     "inf_counts": dict(stats.inf_counts),

@@ -6,8 +6,12 @@ is vanishing when its relative gradient stays below ``vanishing_ratio`` times th
 makes the test independent of the loss scale and the learning rate; requiring it to persist keeps single
 quiet batches out. Parameter norms come from :mod:`gradwatch.magnitude` (every ``update_ratio_every``
 checked steps; weights change slowly in between). Layers with exactly zero gradients are left to
-``dead_layer``; lookup tables (``nn.Embedding``) are not compared (a batch reaches only its rows).
-Reported once per layer, again only after it recovered.
+``dead_layer``; lookup tables (``nn.Embedding``) are not compared (a batch reaches only its rows), nor
+are layers of vectors only (a bias or a scale of its own): a bias feeding a BatchNorm gets a gradient of
+zero up to rounding, by design, since the normalization subtracts the mean.
+A layer ``FAR`` times further below (orders of magnitude below ``vanishing_ratio``: a 16-layer sigmoid MLP's
+first layer at 1e-13 of the typical layer from step 0) is reported after ``FAST`` checked steps: no
+quiet batch goes that low. Reported once per layer, again only after it recovered.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from gradwatch.stats import StepStats, layer_norms
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
 MIN_LAYERS = 3
+#: A layer below ``vanishing_ratio * FAR`` of the typical layer for FAST checked steps in a row is reported
+#: then, without waiting for ``window`` steps.
+FAR = 1e-4
+FAST = 5
 
 _KEY = "vanishing"
 
@@ -65,19 +73,36 @@ def _streaks(history: History, optimizer_index: int, thr: float) -> dict[str, An
     return record
 
 
+def _has_matrix(stats: StepStats, layer: str) -> bool:
+    """Whether the layer holds a parameter of 2+ dimensions (a weight, not only a bias or a scale)."""
+    params = stats.extra.get("params") or ()
+    return any(m == layer and getattr(p, "ndim", 2) >= 2 for m, p in zip(stats.modules, params))
+
+
+def _fast(rel: float, far_run: int, run: int, thr: float, n: int) -> bool:
+    """FAST checked steps in a row FAR below the threshold, before the ``window`` rule reported it."""
+    return rel < thr * FAR and far_run == FAST - 1 and run < n - 1
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     rel = relative_to_typical(stats, history)
     if not rel:
         return []
     thr = config.vanishing_ratio
-    runs = _streaks(history, stats.optimizer_index, thr)["runs"]
+    record = _streaks(history, stats.optimizer_index, thr)
+    runs, far = record["runs"], record.setdefault("far", {})
     low = [k for k, v in rel.items() if v < thr]  # only a layer below the ratio now can newly sustain it
     if not low:
         return []
     n = config.window
-    new = [k for k in low if runs.get(k, 0) == n - 1]  # below for n steps in a row as of now, not before
+    # Below for n steps in a row as of now, not before; or FAST steps far below.
+    new = [
+        k for k in low
+        if (runs.get(k, 0) == n - 1 or _fast(rel[k], far.get(k, 0), runs.get(k, 0), thr, n)) and _has_matrix(stats, k)
+    ]
     if not new:
         return []
+    steps = min(n, max(runs.get(k, 0) + 1 for k in new))
     rows = [{"layer": k, "relative_to_typical": rel[k]} for k in new]
     worst = min(rel[k] for k in new)
     best = max(rel[k] for k in new)
@@ -88,8 +113,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             severity="warning",
             message=(
                 f"Vanishing gradient at step {stats.step} in {len(new)} layer(s): {names_text(new)}. For "
-                f"the last {n} checked steps their gradient, relative to their weights, stayed below "
-                f"{thr:g} of the typical layer's (now {worst:.2g}"
+                f"the last {steps} checked steps their gradient, relative to their weights, stayed below "
+                f"{thr if steps == n else thr * FAR:g} of the typical layer's (now {worst:.2g}"
                 + (f" to {best:.2g}" if best != worst else "")
                 + ").\nWhy it matters: these layers barely learn while the others do; in a deep stack the "
                 "early layers stay near their random init and the network behaves like a much shallower one.\n"
@@ -114,5 +139,10 @@ def remember(stats: StepStats, history: History) -> None:
         return
     # Run lengths instead of a window of past values: O(layers) per step whatever the window. A layer
     # missing from a step (no measurable gradient) ends its run.
-    thr, runs = record["threshold"], record["runs"]
-    record["runs"] = {k: runs.get(k, 0) + 1 if v < thr else 0 for k, v in rel.items()}
+    thr, runs, far, n = record["threshold"], record["runs"], record.get("far", {}), history.window
+    record["far"] = {k: far.get(k, 0) + 1 if v < thr * FAR else 0 for k, v in rel.items()}
+    # A layer reported by the fast rule counts as reported by the window rule too (once per run below).
+    record["runs"] = {
+        k: (n if _fast(v, far.get(k, 0), runs.get(k, 0), thr, n) else runs.get(k, 0) + 1) if v < thr else 0
+        for k, v in rel.items()
+    }

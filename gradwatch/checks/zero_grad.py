@@ -21,11 +21,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         found.append(_missing(stats))
     if stats.extra.get("grads_cleared_before_step") and not history.reported.get(f"grads_cleared_before_step/{i}"):
         found.append(_cleared(stats))
-    if (
-        _cleared_in_loop(stats)
-        and history.memory.get(f"{_IN_LOOP}/{i}")
-        and not history.reported.get(f"{_IN_LOOP}/{i}")
-    ):
+    if _cleared_in_loop(stats) and _repeated(stats, history) and not history.reported.get(f"{_IN_LOOP}/{i}"):
         found.append(_in_loop(stats))
     facts = stats.extra.get("zero_grad") or {}
     if (
@@ -47,13 +43,23 @@ def remember(stats: StepStats, history: History) -> None:
         if stats.extra.get(kind):
             history.reported[f"{kind}/{i}"] = True
     in_loop = _cleared_in_loop(stats)
-    if in_loop and history.memory.get(f"{_IN_LOOP}/{i}"):
+    if in_loop and _repeated(stats, history):
         history.reported[f"{_IN_LOOP}/{i}"] = True
     history.memory[f"{_IN_LOOP}/{i}"] = in_loop
 
 
 _IN_LOOP = "zero_grad_in_accumulation"
 _SPANS = "grads_span_other_step"
+
+
+def _repeated(stats: StepStats, history: History) -> bool:
+    """The cleared micro-batches are the loop's pattern, not a one-off run of passes between two steps (a
+    Fisher estimate): the previous checked step had them too, or this is the optimizer's first checked step
+    (no earlier step for a one-off to fall between: the loop itself ran them), unless a GradScaler dropped
+    steps before it (each of their passes was cleared by the next iteration's zero_grad(), with no step)."""
+    i = stats.optimizer_index
+    first = history.previous(i) is None and not stats.extra.get("scaler_dropped")
+    return bool(history.memory.get(f"{_IN_LOOP}/{i}")) or first
 
 
 def _spans(stats: StepStats, facts: dict[str, object]) -> Finding:
@@ -178,6 +184,27 @@ def _missing(stats: StepStats) -> Finding:
     )
 
 
+def closure_missing(step: int, i: int, optimizer: str, params: tuple[str, ...], evidence: str) -> Finding:
+    """``zero_grad_missing`` inside a closure that ``optimizer.step(closure)`` evaluates several times."""
+    return Finding(
+        kind="zero_grad_missing",
+        step=step,
+        severity="error",
+        message=(
+            f"optimizer {i} ({optimizer}) evaluated its closure a second time at step {step}, and that "
+            "evaluation's backward pass added its gradients onto the first evaluation's: the closure does not "
+            f"clear them. Parameters: {names_text(params)}.\n"
+            f"Why it matters: {optimizer} reads the gradient after every evaluation of the closure (its "
+            "iterations and line search); each one sees the sum of all evaluations so far, so the search "
+            "directions and step sizes are wrong from the first step on.\n"
+            "Fix: call optimizer.zero_grad() at the top of the closure, before loss.backward() "
+            "(def closure(): optimizer.zero_grad(); loss = ...; loss.backward(); return loss)."
+        ),
+        params=params,
+        data={"optimizer": i, "closure": True, "evidence_param": evidence, "count": len(params)},
+    )
+
+
 def _lightning_fix(facts: dict[str, object], i: int) -> str:
     """The fix in Lightning's terms: the user never calls zero_grad() in automatic optimization, and calls
     it on the LightningOptimizer from self.optimizers() in manual optimization."""
@@ -229,9 +256,31 @@ def _partial_fix(kept: tuple[str, ...], gone: tuple[str, ...], i: int, with_opti
     return f"Fix: call zero_grad() on the whole model{instead}{also}."
 
 
+#: Words of ``grads_cleared_before_step`` with an optimizer (True) and with ``gw.check()`` and no optimizer.
+_STEP_WORDS = {
+    True: {
+        "who": "optimizer {i}.step()",
+        "step": "optimizer.step()",
+        "short": "step()",
+        "why": "the step applies no gradient (only weight decay and momentum move the weights)",
+        "fix": "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
+        "the gradients right after step()).",
+    },
+    False: {
+        "who": "gw.check()",
+        "step": "the update",
+        "short": "update",
+        "why": "the update applies no gradient",
+        "fix": "Fix: order each iteration as model.zero_grad(); loss.backward(); gw.check(); the update (or clear "
+        "the gradients right after the update).",
+    },
+}
+
+
 def _cleared(stats: StepStats) -> Finding:
     i = stats.optimizer_index
     facts = stats.extra.get("zero_grad") or {}
+    with_optimizer = bool(facts.get("has_optimizer", True))
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
     what = "all zero" if stats.names else "None"
@@ -242,21 +291,18 @@ def _cleared(stats: StepStats) -> Finding:
             "itself, after each optimizer step."
         )
     else:
-        fix = (
-            "Fix: order each iteration as optimizer.zero_grad(); loss.backward(); optimizer.step() (or clear "
-            "the gradients right after step())."
-        )
+        fix = _STEP_WORDS[with_optimizer]["fix"]
+    words = _STEP_WORDS[with_optimizer]
     return Finding(
         kind="grads_cleared_before_step",
         step=stats.step,
         severity="error",
         message=(
-            f"optimizer {i}.step() at step {stats.step} found every gradient {what}, although "
+            f"{words['who'].format(i=i)} at step {stats.step} found every gradient {what}, although "
             f"{passes} backward pass{'es' if passes != 1 else ''} produced gradients since the previous step: "
-            "zero_grad() was called between loss.backward() and optimizer.step(), or optimizer.step() comes "
-            "before loss.backward() in the loop (zero_grad(); step(); backward()).\n"
-            "Why it matters: the step applies no gradient (only weight decay and momentum move the weights); "
-            "the model does not learn from the data.\n" + fix
+            f"zero_grad() was called between loss.backward() and {words['step']}, or {words['step']} comes "
+            f"before loss.backward() in the loop (zero_grad(); {words['short']}; backward()).\n"
+            f"Why it matters: {words['why']}; the model does not learn from the data.\n" + fix
         ),
         params=params,
         data={"optimizer": i, "backward_passes": passes, "grads": what, "count": len(params)},
