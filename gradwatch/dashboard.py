@@ -19,7 +19,10 @@ queues a copy of the gradients on their own device (no device-to-host sync).
 from __future__ import annotations
 
 import glob
+import math
 import os
+import re
+import statistics
 from typing import Any
 
 import torch
@@ -29,15 +32,29 @@ from gradwatch.stats import layer_key
 #: Title of the Custom Scalars category gradwatch writes.
 CATEGORY = "gradwatch"
 
-#: Chart title -> tag regular expressions (TensorBoard matches them with Python's ``re.match``).
+#: Chart title -> tag regular expressions (TensorBoard matches them with Python's ``re.match``). One
+#: question per chart, one scale per chart, a line or two per run (per-layer detail is in the Scalars tab).
+#: Counts are running totals (smoothing only delays their steps); findings are stacked so that kinds found
+#: at the same step stay apart; ``gradwatch/incidents/*`` are markers, written only at steps with a finding,
+#: a skipped update or a NaN/Inf, at the height of the chart's line.
 CHARTS: dict[str, list[str]] = {
-    "gradient norm (total)": [r"gradwatch/grad_norm/total.*"],
-    "gradient norm per layer": [r"gradwatch/grad_norm/(?!total).*"],
-    "update / weight ratio per layer": [r"gradwatch/update_ratio/.*"],
-    "loss": [r"gradwatch/loss(_opt\d+)?$"],
-    "skipped steps and non-finite gradients": [r"gradwatch/skipped_steps$", r"gradwatch/nonfinite_grads$"],
-    "findings by kind": [r"gradwatch/findings/.*"],
+    "gradient norm (total)": [r"gradwatch/grad_norm/total(_opt\d+)?$", r"gradwatch/incidents/grad_norm(_opt\d+)?$"],
+    "loss": [r"gradwatch/loss(_opt\d+)?$", r"gradwatch/incidents/loss(_opt\d+)?$"],
+    "layer gradient spread (largest / smallest layer norm)": [r"gradwatch/layer_norm_spread$"],
+    "update / weight ratio (median layer)": [r"gradwatch/update_ratio_median$"],
+    "skipped updates (running total)": [r"gradwatch/skipped_steps$"],
+    "findings so far, stacked by kind": [r"gradwatch/findings_stacked/.*"],
 }
+
+#: Scalars written by the engine as running totals (drawn as steps: the old value is repeated at the step
+#: before a change, so a chart shows a step, not a ramp from the last written point).
+_RUNNING_TOTALS = ("gradwatch/skipped_steps", "gradwatch/findings/")
+_FINDINGS = "gradwatch/findings/"
+_STACKED = "gradwatch/findings_stacked/"
+#: Recent finite values a marker's height is the median of.
+_MARKER_WINDOW = 20
+_LINE = re.compile(r"gradwatch/(grad_norm/total|loss)(_opt\d+)?$")
+_LAYER_NORM = re.compile(r"gradwatch/grad_norm/(?!total(_opt\d+)?$)")
 
 _CONFIG_TAG = "custom_scalars__config__"
 
@@ -46,8 +63,8 @@ def layout() -> dict[str, dict[str, list[Any]]]:
     """gradwatch's Custom Scalars layout in ``SummaryWriter.add_custom_scalars`` form.
 
     Example:
-        >>> sorted(layout()["gradwatch"])[0]
-        'findings by kind'
+        >>> list(layout()["gradwatch"])[0]
+        'gradient norm (total)'
     """
     return {CATEGORY: {title: ["Multiline", list(tags)] for title, tags in CHARTS.items()}}
 
@@ -134,6 +151,113 @@ def write_layout(writer: Any) -> None:
     writer.flush()
 
 
+class ChartSeries:
+    """The dashboard's own series, derived from one step's scalars on the TensorBoard writer thread.
+
+    ``derive(step, values)`` returns the ``(step, values)`` events to write, in order:
+
+    - ``gradwatch/incidents/grad_norm`` and ``gradwatch/incidents/loss`` (``_opt{i}`` with several
+      optimizers): written only at a step with a new finding, a skipped update or a NaN/Inf gradient norm
+      or loss, at the median of that line's last finite values: inside the chart on linear and log axes,
+      also where the line itself has a gap (a NaN is not drawn);
+    - ``gradwatch/findings_stacked/<kind>``: findings so far of this kind and of the kinds found before it
+      (first found, lowest): kinds found at the same step, as often, are drawn apart;
+    - ``gradwatch/layer_norm_spread``: largest / smallest per-layer gradient norm, on per-layer steps;
+    - ``gradwatch/update_ratio_median``: median of the per-layer update / weight ratios, when measured;
+    - running totals (``skipped_steps``, ``findings/<kind>``, ``findings_stacked/<kind>``) repeat their old
+      value (0, or the stack below, for a new kind) at the step before a change: a chart draws a step there,
+      not a ramp from the last written point.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, tuple[int, float]] = {}  # tag -> (last step written, value)
+        self._recent: dict[str, list[float]] = {}  # line tag -> its last finite values
+        self._kinds: list[str] = []  # finding kinds in the order found: the stacking order
+        self._counts: dict[str, float] = {}
+        self._stack_step = -1  # last step the stack was written at
+
+    def derive(self, step: int, values: dict[str, float]) -> list[tuple[int, dict[str, float]]]:
+        values = dict(values)
+        stack_before = self._stack(step, values)
+        before, increased = self._running_totals(step, values)
+        nonfinite = values.get("gradwatch/nonfinite_grads", 0.0) > 0
+        if increased or nonfinite or not all(map(math.isfinite, _lines(values).values())):
+            values.update(self._markers(values))
+        self._remember(values)
+        values.update(_summaries(values))
+        if before:
+            before.update({t: v for t, v in stack_before.items() if t in values and values[t] != v})
+            return [(step - 1, before), (step, values)]
+        return [(step, values)]
+
+    def _stack(self, step: int, values: dict[str, float]) -> dict[str, float]:
+        """Adds the stacked findings to ``values``; returns the stack as it was before this step (empty when
+        it was written at the step before)."""
+        found = {t[len(_FINDINGS) :]: v for t, v in values.items() if t.startswith(_FINDINGS)}
+        if not found:
+            return {}
+        written_before, self._stack_step = self._stack_step, step
+        old = dict(self._counts)
+        self._kinds.extend(sorted(k for k in found if k not in self._counts))
+        self._counts.update(found)
+        below_old = below_new = 0.0
+        stack_before: dict[str, float] = {}
+        for kind in self._kinds:
+            below_old += old.get(kind, 0.0)
+            below_new += self._counts[kind]
+            stack_before[_STACKED + kind] = below_old
+            values[_STACKED + kind] = below_new
+        return stack_before if step - 1 > written_before else {}
+
+    def _running_totals(self, step: int, values: dict[str, float]) -> tuple[dict[str, float], bool]:
+        """The old values to repeat at ``step - 1`` for the running totals that go up at ``step``, and
+        whether any went up (a finding, a skipped update)."""
+        before: dict[str, float] = {}
+        increased = False
+        for tag, v in values.items():
+            if not tag.startswith(_RUNNING_TOTALS) or tag.startswith(_STACKED):
+                continue
+            last_step, last = self._totals.get(tag, (-1, 0.0))
+            if v > last:
+                increased = True
+                if step - 1 > last_step:
+                    before[tag] = last
+            self._totals[tag] = (step, v)
+        return before, increased
+
+    def _markers(self, values: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tag, v in _lines(values).items():
+            recent = self._recent.get(tag)
+            height = statistics.median(recent) if recent else (v if math.isfinite(v) else 1.0)
+            out["gradwatch/incidents/" + tag[len("gradwatch/") :].replace("/total", "")] = height
+        return out
+
+    def _remember(self, values: dict[str, float]) -> None:
+        for tag, v in _lines(values).items():
+            if math.isfinite(v):
+                recent = self._recent.setdefault(tag, [])
+                recent.append(v)
+                del recent[:-_MARKER_WINDOW]
+
+
+def _lines(values: dict[str, float]) -> dict[str, float]:
+    """The step's total gradient norms and losses: the lines that get incident markers."""
+    return {t: v for t, v in values.items() if _LINE.match(t)}
+
+
+def _summaries(values: dict[str, float]) -> dict[str, float]:
+    """One line per run for the per-layer questions: the spread of layer norms, the median update ratio."""
+    out: dict[str, float] = {}
+    norms = [v for t, v in values.items() if _LAYER_NORM.match(t) and math.isfinite(v) and v > 0]
+    if len(norms) > 1:
+        out["gradwatch/layer_norm_spread"] = max(norms) / min(norms)
+    ratios = [v for t, v in values.items() if t.startswith("gradwatch/update_ratio/") and math.isfinite(v)]
+    if ratios:
+        out["gradwatch/update_ratio_median"] = statistics.median(ratios)
+    return out
+
+
 def _write_histograms(step: int, layers: dict[str, torch.Tensor]) -> Any:
     def write(writer: Any) -> None:
         for layer, values in layers.items():
@@ -192,4 +316,4 @@ class Dashboard:
         self._reporter.submit(write_layout)
 
 
-__all__ = ["CATEGORY", "CHARTS", "Dashboard", "layout", "layout_proto", "merge_layouts", "read_layout", "write_layout"]
+__all__ = ["CATEGORY", "CHARTS", "ChartSeries", "Dashboard", "layout", "layout_proto", "merge_layouts", "read_layout", "write_layout"]
