@@ -51,6 +51,8 @@ CHARTS: dict[str, list[str]] = {
 _RUNNING_TOTALS = ("gradwatch/skipped_steps", "gradwatch/findings/")
 _FINDINGS = "gradwatch/findings/"
 _STACKED = "gradwatch/findings_stacked/"
+#: Running totals written at every step (the engine writes counters only when they change).
+_CARRIED = ("gradwatch/skipped_steps", _STACKED)
 #: Recent finite values a marker's height is the median of.
 _MARKER_WINDOW = 20
 _LINE = re.compile(r"gradwatch/(grad_norm/total|loss)(_opt\d+)?$")
@@ -166,64 +168,70 @@ class ChartSeries:
     - ``gradwatch/update_ratio_median``: median of the per-layer update / weight ratios, when measured;
     - running totals (``skipped_steps``, ``findings/<kind>``, ``findings_stacked/<kind>``) repeat their old
       value (0, or the stack below, for a new kind) at the step before a change: a chart draws a step there,
-      not a ramp from the last written point.
+      not a ramp from the last written point. ``skipped_steps`` and the stack are written at every step
+      (the engine writes counters when they change): smoothing then only delays their steps, and the last
+      value drawn is the count.
     """
 
     def __init__(self) -> None:
-        self._totals: dict[str, tuple[int, float]] = {}  # tag -> (last step written, value)
+        self._last: dict[str, float] = {}  # running total -> its last value
+        self._written: dict[str, int] = {}  # running total or stack tag -> the last step it was written at
         self._recent: dict[str, list[float]] = {}  # line tag -> its last finite values
         self._kinds: list[str] = []  # finding kinds in the order found: the stacking order
         self._counts: dict[str, float] = {}
-        self._stack_step = -1  # last step the stack was written at
 
     def derive(self, step: int, values: dict[str, float]) -> list[tuple[int, dict[str, float]]]:
         values = dict(values)
-        stack_before = self._stack(step, values)
-        before, increased = self._running_totals(step, values)
+        before = self._stack(values)
+        increased = self._running_totals(values, before)
         nonfinite = values.get("gradwatch/nonfinite_grads", 0.0) > 0
         if increased or nonfinite or not all(map(math.isfinite, _lines(values).values())):
             values.update(self._markers(values))
         self._remember(values)
+        self._carry(values)
         values.update(_summaries(values))
-        if before:
-            before.update({t: v for t, v in stack_before.items() if t in values and values[t] != v})
-            return [(step - 1, before), (step, values)]
-        return [(step, values)]
+        before = {t: v for t, v in before.items() if self._written.get(t, -1) < step - 1}
+        self._written.update({t: step for t in values if t.startswith(_RUNNING_TOTALS + _CARRIED)})
+        return [(step - 1, before), (step, values)] if before else [(step, values)]
 
-    def _stack(self, step: int, values: dict[str, float]) -> dict[str, float]:
-        """Adds the stacked findings to ``values``; returns the stack as it was before this step (empty when
-        it was written at the step before)."""
+    def _stack(self, values: dict[str, float]) -> dict[str, float]:
+        """Adds the stacked findings to ``values``; returns the stacked values that change, as they were."""
         found = {t[len(_FINDINGS) :]: v for t, v in values.items() if t.startswith(_FINDINGS)}
         if not found:
             return {}
-        written_before, self._stack_step = self._stack_step, step
         old = dict(self._counts)
         self._kinds.extend(sorted(k for k in found if k not in self._counts))
         self._counts.update(found)
         below_old = below_new = 0.0
-        stack_before: dict[str, float] = {}
+        before: dict[str, float] = {}
         for kind in self._kinds:
             below_old += old.get(kind, 0.0)
             below_new += self._counts[kind]
-            stack_before[_STACKED + kind] = below_old
             values[_STACKED + kind] = below_new
-        return stack_before if step - 1 > written_before else {}
+            if below_new != below_old:
+                before[_STACKED + kind] = below_old
+        return before
 
-    def _running_totals(self, step: int, values: dict[str, float]) -> tuple[dict[str, float], bool]:
-        """The old values to repeat at ``step - 1`` for the running totals that go up at ``step``, and
-        whether any went up (a finding, a skipped update)."""
-        before: dict[str, float] = {}
+    def _running_totals(self, values: dict[str, float], before: dict[str, float]) -> bool:
+        """Whether a running total went up at this step (a finding, a skipped update); its old value goes
+        into ``before``."""
         increased = False
         for tag, v in values.items():
-            if not tag.startswith(_RUNNING_TOTALS) or tag.startswith(_STACKED):
-                continue
-            last_step, last = self._totals.get(tag, (-1, 0.0))
-            if v > last:
-                increased = True
-                if step - 1 > last_step:
+            if tag.startswith(_RUNNING_TOTALS):
+                last = self._last.get(tag, 0.0)
+                if v > last:
+                    increased = True
                     before[tag] = last
-            self._totals[tag] = (step, v)
-        return before, increased
+                self._last[tag] = v
+        return increased
+
+    def _carry(self, values: dict[str, float]) -> None:
+        for tag, v in values.items():
+            if tag.startswith(_CARRIED):
+                self._last[tag] = v
+        for tag, v in self._last.items():
+            if tag.startswith(_CARRIED):
+                values.setdefault(tag, v)
 
     def _markers(self, values: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}
