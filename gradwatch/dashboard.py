@@ -53,8 +53,6 @@ _FINDINGS = "gradwatch/findings/"
 _STACKED = "gradwatch/findings_stacked/"
 #: Running totals written at every step (the engine writes counters only when they change).
 _CARRIED = ("gradwatch/skipped_steps", _STACKED)
-#: Recent finite values a marker's height is the median of.
-_MARKER_WINDOW = 20
 _LINE = re.compile(r"gradwatch/(grad_norm/total|loss)(_opt\d+)?$")
 _LAYER_NORM = re.compile(r"gradwatch/grad_norm/(?!total(_opt\d+)?$)")
 
@@ -160,8 +158,8 @@ class ChartSeries:
 
     - ``gradwatch/incidents/grad_norm`` and ``gradwatch/incidents/loss`` (``_opt{i}`` with several
       optimizers): written only at a step with a new finding, a skipped update or a NaN/Inf gradient norm
-      or loss, at the median of that line's last finite values: inside the chart on linear and log axes,
-      also where the line itself has a gap (a NaN is not drawn);
+      or loss, near the top of that line's usual range as TensorBoard draws it (:class:`SmoothedSample`):
+      above the line where it is low, inside the chart on linear and log axes (a NaN itself is not drawn);
     - ``gradwatch/findings_stacked/<kind>``: findings so far of this kind and of the kinds found before it
       (first found, lowest): kinds found at the same step, as often, are drawn apart;
     - ``gradwatch/layer_norm_spread``: largest / smallest per-layer gradient norm, on per-layer steps;
@@ -176,7 +174,7 @@ class ChartSeries:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}  # running total -> its last value
         self._written: dict[str, int] = {}  # running total or stack tag -> the last step it was written at
-        self._recent: dict[str, list[float]] = {}  # line tag -> its last finite values
+        self._smoothed: dict[str, SmoothedSample] = {}  # line tag -> its smoothed values so far
         self._kinds: list[str] = []  # finding kinds in the order found: the stacking order
         self._counts: dict[str, float] = {}
 
@@ -236,17 +234,45 @@ class ChartSeries:
     def _markers(self, values: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}
         for tag, v in _lines(values).items():
-            recent = self._recent.get(tag)
-            height = statistics.median(recent) if recent else (v if math.isfinite(v) else 1.0)
+            seen = self._smoothed.get(tag)
+            height = seen.upper() if seen is not None else (v if math.isfinite(v) else 1.0)
             out["gradwatch/incidents/" + tag[len("gradwatch/") :].replace("/total", "")] = height
         return out
 
     def _remember(self, values: dict[str, float]) -> None:
         for tag, v in _lines(values).items():
             if math.isfinite(v):
-                recent = self._recent.setdefault(tag, [])
-                recent.append(v)
-                del recent[:-_MARKER_WINDOW]
+                self._smoothed.setdefault(tag, SmoothedSample()).add(v)
+
+
+class SmoothedSample:
+    """A line as TensorBoard draws it at its default smoothing (EMA of weight 0.6, debiased), kept as a
+    bounded sample of the smoothed values: where an incident marker shows without leaving the chart."""
+
+    WEIGHT = 0.6
+    SIZE = 512
+
+    def __init__(self) -> None:
+        self._ema = 0.0
+        self._n = 0
+        self._stride = 1
+        self.sample: list[float] = []
+
+    def add(self, value: float) -> None:
+        self._ema = self._ema * self.WEIGHT + (1 - self.WEIGHT) * value
+        self._n += 1
+        if (self._n - 1) % self._stride == 0:
+            self.sample.append(self._ema / (1 - self.WEIGHT**self._n))
+            if len(self.sample) >= self.SIZE:
+                self.sample = self.sample[::2]
+                self._stride *= 2
+
+    def upper(self) -> float:
+        """The 90th percentile of the smoothed line so far: near the top of its usual range, so a marker
+        stands above the line where the line is low, inside the y range TensorBoard draws while it ignores
+        outliers (the 5th to 95th percentile of the smoothed values, padded by a fifth of that span)."""
+        ordered = sorted(self.sample)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 def _lines(values: dict[str, float]) -> dict[str, float]:
