@@ -51,7 +51,7 @@ CHARTS: dict[str, list[str]] = {
 _RUNNING_TOTALS = ("gradwatch/skipped_steps", "gradwatch/findings/")
 _FINDINGS = "gradwatch/findings/"
 _STACKED = "gradwatch/findings_stacked/"
-#: Running totals written at every step (the engine writes counters only when they change).
+#: Running totals written at every step once above zero (the engine writes counters when they change).
 _CARRIED = ("gradwatch/skipped_steps", _STACKED)
 _LINE = re.compile(r"gradwatch/(grad_norm/total|loss)(_opt\d+)?$")
 _LAYER_NORM = re.compile(r"gradwatch/grad_norm/(?!total(_opt\d+)?$)")
@@ -166,9 +166,11 @@ class ChartSeries:
     - ``gradwatch/update_ratio_median``: median of the per-layer update / weight ratios, when measured;
     - running totals (``skipped_steps``, ``findings/<kind>``, ``findings_stacked/<kind>``) repeat their old
       value (0, or the stack below, for a new kind) at the step before a change: a chart draws a step there,
-      not a ramp from the last written point. ``skipped_steps`` and the stack are written at every step
-      (the engine writes counters when they change): smoothing then only delays their steps, and the last
-      value drawn is the count.
+      not a ramp from the last written point. Once above zero, ``skipped_steps`` and the stack are written
+      at every step (the engine writes counters when they change, and every ``layer_every`` steps): smoothing
+      then only delays their steps, the last value drawn is the count, and the counts are common enough
+      among the chart's values that TensorBoard's outlier-ignoring y range (5th to 95th percentile) keeps
+      them in view.
     """
 
     def __init__(self) -> None:
@@ -228,7 +230,7 @@ class ChartSeries:
             if tag.startswith(_CARRIED):
                 self._last[tag] = v
         for tag, v in self._last.items():
-            if tag.startswith(_CARRIED):
+            if tag.startswith(_CARRIED) and v > 0:
                 values.setdefault(tag, v)
 
     def _markers(self, values: dict[str, float]) -> dict[str, float]:

@@ -354,7 +354,7 @@ def _in_view(card: dict[str, Any], value: float) -> bool:
     return bool(lo <= value <= hi)
 
 
-def _run_problems(title: str, card: dict[str, Any], run: str, facts: RunFacts) -> list[str]:
+def _run_problems(title: str, card: dict[str, Any], run: str, facts: RunFacts, alone: bool) -> list[str]:
     """What one run's series in one chart must show."""
     series = {s["tag"]: s["points"] for s in card["series"].values() if s["run"] == run}
     where = f"{title!r} run {run!r}"
@@ -368,7 +368,7 @@ def _run_problems(title: str, card: dict[str, Any], run: str, facts: RunFacts) -
         if steps != facts.incident_steps:
             problems.append(f"{where}: markers at steps {sorted(steps)}, incidents at {sorted(facts.incident_steps)}")
         hidden = [p[0] for pts in markers.values() for p in pts if not _in_view(card, p[1])]
-        if hidden:
+        if hidden and alone:  # among several runs, a run far above the others is (rightly) off the chart
             problems.append(f"{where}: markers outside the y range {card['yDomain']} at steps {hidden}")
     elif title.startswith("layer gradient spread"):
         if not lines or any(len(p) < 5 or min(v for _, v, _ in p) < 1 for p in lines.values()):
@@ -408,7 +408,7 @@ def chart_problems(page: dict[str, Any], runs: dict[str, RunFacts]) -> list[str]
             problems.append(f"{title!r}: not at TensorBoard's default settings (smoothing 0.6, outliers ignored)")
         problems += _tag_problems(title, card)
         for run, facts in runs.items():
-            problems += _run_problems(title, card, run, facts)
+            problems += _run_problems(title, card, run, facts, alone=len(runs) == 1)
     return problems
 
 
