@@ -2,9 +2,12 @@
 
 :class:`Dashboard` is an extension attached for both integrations. When the run logs to TensorBoard it
 
-- writes a **"gradwatch" layout into the Custom Scalars tab** at the first checked step: total gradient
-  norm, per-layer norms, update-to-weight ratios, loss, skipped steps and non-finite gradients, findings
-  by kind. TensorBoard keeps one layout per run (the last one written wins), so a layout already in the
+- writes a **"gradwatch" layout into the Custom Scalars tab** at the first checked step (:data:`CHARTS`),
+  one question per chart at TensorBoard's default settings (smoothing 0.6, outliers ignored in the y
+  range), one or two lines per run: total gradient norm and loss, each with a marker at the steps where
+  something happened; the spread of the per-layer gradient norms; the median update / weight ratio; skipped
+  updates so far; findings so far, stacked by kind. The series the charts need beyond the engine's scalars
+  are derived on the TensorBoard writer thread (:class:`ChartSeries`). TensorBoard keeps one layout per run (the last one written wins), so a layout already in the
   run's event files (e.g. written by you before training) is read back and merged: your categories
   first, then ours. A layout you write *after* the first step replaces ours; to keep both, include
   :func:`layout` in yours: ``writer.add_custom_scalars({**your_layout, **gradwatch.dashboard.layout()})``.

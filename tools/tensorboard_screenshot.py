@@ -50,7 +50,7 @@ CHROMIUM_FLAGS = [
     "--hide-scrollbars",
 ]
 
-VIEWPORT = {"width": 1480, "height": 1130}
+VIEWPORT = {"width": 1480, "height": 790}
 
 # Walks the document and every shadow root; for each Custom Scalars chart card: its title, settings, the
 # series it draws (raw and smoothed values per step) and the y range of its chart.
