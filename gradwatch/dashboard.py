@@ -117,19 +117,29 @@ def _event_file_order(path: str) -> tuple[int, int, str]:
 
 
 def merge_layouts(existing: Any | None, ours: Any) -> Any:
-    """``existing`` categories first (kept as they are), then ours unless a category of that title exists."""
+    """``existing`` categories first (kept as they are), then ours unless a category of that title exists.
+
+    A category of our title whose charts all draw ``gradwatch/`` tags only was written by gradwatch (an
+    earlier version, in a run resumed into the same directory): ours replaces it where it stands.
+    """
     from tensorboard.plugins.custom_scalar import layout_pb2
 
+    mine = {c.title: c for c in ours.category}
     merged = layout_pb2.Layout()
     titles: set[str] = set()
     if existing is not None:
         for c in existing.category:
-            merged.category.add().CopyFrom(c)
+            merged.category.add().CopyFrom(mine[c.title] if c.title in mine and _written_by_gradwatch(c) else c)
             titles.add(c.title)
     for c in ours.category:
         if c.title not in titles:
             merged.category.add().CopyFrom(c)
     return merged
+
+
+def _written_by_gradwatch(category: Any) -> bool:
+    tags = [t for chart in category.chart for t in chart.multiline.tag]
+    return bool(tags) and all(t.startswith("gradwatch/") for t in tags)
 
 
 def write_layout(writer: Any) -> None:

@@ -90,6 +90,35 @@ def test_layout_written_by_the_user_before_training_is_kept(tmp_path) -> None:
     assert list(layout.category[0].chart[0].multiline.tag) == ["acc/.*"]
 
 
+def test_layout_of_an_earlier_gradwatch_version_is_replaced_and_the_users_kept(tmp_path) -> None:
+    # A run resumed into its directory with this version: the old "gradwatch" category (a running and a
+    # per-step count on one axis) gives way to the new one; the user's categories stay as they were.
+    from torch.utils.tensorboard import SummaryWriter
+
+    old = {"gradient norm per layer": ["Multiline", [r"gradwatch/grad_norm/(?!total).*"]],
+           "skipped steps and non-finite gradients": ["Multiline", [r"gradwatch/skipped_steps$",
+                                                                    r"gradwatch/nonfinite_grads$"]]}
+    w = SummaryWriter(str(tmp_path))
+    w.add_custom_scalars({"mine": {"accuracy": ["Multiline", ["acc/.*"]]}, CATEGORY: old})
+    w.close()
+    run(str(tmp_path))
+    layout = read_layout(str(tmp_path))
+    assert [c.title for c in layout.category] == ["mine", CATEGORY]
+    assert {c.title: list(c.multiline.tag) for c in layout.category[1].chart} == CHARTS
+
+
+def test_a_users_own_category_of_our_title_is_kept(tmp_path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(tmp_path))
+    w.add_custom_scalars({CATEGORY: {"norm and accuracy": ["Multiline", ["gradwatch/grad_norm/total", "acc"]]}})
+    w.close()
+    run(str(tmp_path))
+    layout = read_layout(str(tmp_path))
+    assert [c.title for c in layout.category] == [CATEGORY]
+    assert [c.title for c in layout.category[0].chart] == ["norm and accuracy"]
+
+
 def test_no_histograms_by_default(tmp_path) -> None:
     run(str(tmp_path))
     assert accumulator(str(tmp_path)).Tags()["histograms"] == []
