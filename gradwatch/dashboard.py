@@ -39,7 +39,7 @@ CATEGORY = "gradwatch"
 #: question per chart, one scale per chart, a line or two per run (per-layer detail is in the Scalars tab).
 #: Counts are running totals (smoothing only delays their steps); findings are stacked so that kinds found
 #: at the same step stay apart; ``gradwatch/incidents/*`` are markers, written only at steps with a finding,
-#: a skipped update or a NaN/Inf, at the height of the chart's line.
+#: a skipped update or a NaN/Inf, near the top of the line's usual range (:class:`ChartSeries`).
 CHARTS: dict[str, list[str]] = {
     "gradient norm (total)": [r"gradwatch/grad_norm/total(_opt\d+)?$", r"gradwatch/incidents/grad_norm(_opt\d+)?$"],
     "loss": [r"gradwatch/loss(_opt\d+)?$", r"gradwatch/incidents/loss(_opt\d+)?$"],
@@ -197,10 +197,11 @@ class ChartSeries:
         values = dict(values)
         before = self._stack(values)
         increased = self._running_totals(values, before)
+        lines = _lines(values)
         nonfinite = values.get("gradwatch/nonfinite_grads", 0.0) > 0
-        if increased or nonfinite or not all(map(math.isfinite, _lines(values).values())):
-            values.update(self._markers(values))
-        self._remember(values)
+        if increased or nonfinite or not all(map(math.isfinite, lines.values())):
+            values.update(self._markers(lines))
+        self._remember(lines)
         self._carry(values)
         values.update(_summaries(values))
         before = {t: v for t, v in before.items() if self._written.get(t, -1) < step - 1}
@@ -246,16 +247,16 @@ class ChartSeries:
             if tag.startswith(_CARRIED) and v > 0:
                 values.setdefault(tag, v)
 
-    def _markers(self, values: dict[str, float]) -> dict[str, float]:
+    def _markers(self, lines: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}
-        for tag, v in _lines(values).items():
+        for tag, v in lines.items():
             seen = self._smoothed.get(tag)
             height = seen.upper() if seen is not None else (v if math.isfinite(v) else 1.0)
             out["gradwatch/incidents/" + tag[len("gradwatch/") :].replace("/total", "")] = height
         return out
 
-    def _remember(self, values: dict[str, float]) -> None:
-        for tag, v in _lines(values).items():
+    def _remember(self, lines: dict[str, float]) -> None:
+        for tag, v in lines.items():
             if math.isfinite(v):
                 self._smoothed.setdefault(tag, SmoothedSample()).add(v)
 
@@ -285,7 +286,7 @@ class SmoothedSample:
     def upper(self) -> float:
         """The 90th percentile of the smoothed line so far: near the top of its usual range, so a marker
         stands above the line where the line is low, inside the y range TensorBoard draws while it ignores
-        outliers (the 5th to 95th percentile of the smoothed values, padded by a fifth of that span)."""
+        outliers (the 5th to 95th percentile of the smoothed values, padded by 5% of that span)."""
         ordered = sorted(self.sample)
         return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
