@@ -1,19 +1,19 @@
 """See gradwatch's TensorBoard dashboard in a real browser, check what each chart shows, save screenshots.
 
 Records short watched training runs (a healthy one; one with a NaN loss at step 120; a directory of 11
-runs, a learning-rate sweep), serves each with ``tensorboard`` on 127.0.0.1 at a
-free port, opens the Custom Scalars tab in headless Chromium at TensorBoard's default settings (smoothing
-0.6, outliers ignored in the y range) and reads back, from the page itself, what every gradwatch chart
-draws: its series, their raw and smoothed values, and the chart's y range (TensorBoard's charts live in
-shadow DOM, which ``--dump-dom`` does not serialize, so the check walks the shadow roots through the
-DevTools protocol). It then checks that each chart answers its question (see :func:`chart_problems`)
-and saves a screenshot per scenario.
+runs, a learning-rate sweep, every third with the NaN; on request one with a corrupted batch at step 100
+and the NaN), serves each with ``tensorboard`` on 127.0.0.1 at a free port, opens the Custom Scalars tab
+in headless Chromium at TensorBoard's default settings (smoothing 0.6, outliers ignored in the y range)
+and reads back, from the page itself, what every gradwatch chart draws: its series, their raw and
+smoothed values, and the chart's y range (TensorBoard's charts live in shadow DOM, which ``--dump-dom``
+does not serialize, so the check walks the shadow roots through the DevTools protocol). It then checks
+that each chart answers its question (:func:`chart_problems`) and saves a screenshot per scenario.
 
 Usage:
-    python tools/tensorboard_screenshot.py [--out-dir docs/img] [--scenario healthy nan runs] [--keep]
+    python tools/tensorboard_screenshot.py [--out-dir docs/img] [--scenario healthy nan runs spike] [--keep]
 
-Writes ``tensorboard-healthy.png``, ``tensorboard-nan.png`` (also copied to ``tensorboard.png``) and
-``tensorboard-runs.png``. Exit codes: 0 rendered, checked and saved; 1 a chart did not show what it should;
+Writes ``tensorboard-<scenario>.png`` (by default healthy, nan and runs; the nan one is also copied to
+``tensorboard.png``). Exit codes: 0 rendered, checked and saved; 1 a chart did not show what it should;
 3 chromium is not installed (``apt-get install -y chromium``).
 """
 
