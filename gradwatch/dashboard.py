@@ -174,7 +174,8 @@ class ChartSeries:
       or loss, near the top of that line's usual range as TensorBoard draws it (:class:`SmoothedSample`):
       above the line where it is low, inside the chart on linear and log axes (a NaN itself is not drawn);
     - ``gradwatch/findings_stacked/<kind>``: findings so far of this kind and of the kinds found before it
-      (first found, lowest): kinds found at the same step, as often, are drawn apart;
+      (first found, lowest): kinds found at the same step, as often, are drawn apart; before the first
+      finding, ``gradwatch/findings_stacked/none_yet`` at 0;
     - ``gradwatch/layer_norm_spread``: largest / smallest per-layer gradient norm, on per-layer steps;
     - ``gradwatch/update_ratio_median``: median of the per-layer update / weight ratios, when measured;
     - running totals (``skipped_steps``, ``findings/<kind>``, ``findings_stacked/<kind>``) repeat their old
@@ -209,9 +210,13 @@ class ChartSeries:
         return [(step - 1, before), (step, values)] if before else [(step, values)]
 
     def _stack(self, values: dict[str, float]) -> dict[str, float]:
-        """Adds the stacked findings to ``values``; returns the stacked values that change, as they were."""
+        """Adds the stacked findings to ``values``; returns the stacked values that change, as they were.
+        Until the first finding, a zero line (``findings_stacked/none_yet``, at the engine's cadence for
+        counters) says so: a healthy run's chart is not empty."""
         found = {t[len(_FINDINGS) :]: v for t, v in values.items() if t.startswith(_FINDINGS)}
         if not found:
+            if not self._kinds and "gradwatch/skipped_steps" in values:
+                values[_STACKED + "none_yet"] = 0.0
             return {}
         old = dict(self._counts)
         self._kinds.extend(sorted(k for k in found if k not in self._counts))

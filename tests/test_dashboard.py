@@ -176,7 +176,7 @@ def test_each_written_tag_is_on_one_chart_at_most_and_each_chart_has_its_tags(tm
         "layer gradient spread (largest / smallest layer norm)": {"gradwatch/layer_norm_spread"},
         "update / weight ratio (median layer)": {"gradwatch/update_ratio_median"},
         "skipped updates (running total)": {"gradwatch/skipped_steps"},
-        "findings so far, stacked by kind": {f"gradwatch/findings_stacked/{k}" for k in kinds},
+        "findings so far, stacked by kind": {f"gradwatch/findings_stacked/{k}" for k in kinds | {"none_yet"}},
     }
     for tag in tags:  # no series drawn on two charts (two scales on one axis)
         assert sum(tag in t for t in shown.values()) <= 1, tag
@@ -240,8 +240,11 @@ def test_healthy_run_has_no_markers_no_findings_and_a_zero_skip_count(tmp_path) 
     gw = run(str(tmp_path), steps=8)
     assert gw.findings == []
     s = series(str(tmp_path))
-    assert not [t for t in s if t.startswith(("gradwatch/incidents/", "gradwatch/findings_stacked/"))]
-    assert s["gradwatch/skipped_steps"] == [(0, 0.0)]  # zero, at the engine's cadence (every 10 steps)
+    assert not [t for t in s if t.startswith("gradwatch/incidents/")]
+    # zero, at the engine's cadence (every 10 steps): a flat line, not an empty chart
+    assert s["gradwatch/skipped_steps"] == [(0, 0.0)]
+    assert [t for t in s if t.startswith("gradwatch/findings_stacked/")] == ["gradwatch/findings_stacked/none_yet"]
+    assert s["gradwatch/findings_stacked/none_yet"] == [(0, 0.0)]
 
 
 def test_skipped_updates_are_a_running_total_written_at_every_step_once_above_zero(tmp_path) -> None:
@@ -268,6 +271,7 @@ def test_findings_are_stacked_so_kinds_found_together_stay_apart(tmp_path) -> No
     order = sorted(first, key=lambda k: (first[k], k))  # the stacking order: first found, lowest
     s = series(str(tmp_path))
     stacked = {k: dict(s[f"gradwatch/findings_stacked/{k}"]) for k in order}
+    assert max(dict(s["gradwatch/findings_stacked/none_yet"])) < 2  # the zero line ends at the first finding
 
     def found_before(kinds: list[str], step: int) -> float:
         return float(sum(1 for f in gw.findings if f.kind in kinds and f.step < step))

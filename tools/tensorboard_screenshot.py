@@ -384,6 +384,9 @@ def _run_problems(title: str, card: dict[str, Any], run: str, facts: RunFacts, a
         elif abs(pts[-1][2] - pts[-1][1]) > 0.05 * max(1, facts.skipped):
             problems.append(f"{where}: smoothed count {pts[-1][2]:.2f} at the end, not {facts.skipped}")
     elif title.startswith("findings"):
+        none_yet = series.pop("gradwatch/findings_stacked/none_yet", [])
+        if any(v != 0 for _, v, _ in none_yet) or (not facts.kinds and not none_yet):
+            problems.append(f"{where}: the zero line before the first finding is missing or not zero")
         finals = [p[-1][1] for p in series.values() if p]
         if len(finals) != facts.kinds or len(set(finals)) != len(finals):
             problems.append(f"{where}: {facts.kinds} kinds found, lines end at {finals} (must be apart)")
