@@ -104,8 +104,12 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
       skipped (with ``precision="16-mixed"`` and a scaler).
     - histograms ``gradwatch/grad_hist/<layer>`` and scalars ``gradwatch/grad_hist_nonfinite/<layer>``:
       only with ``histogram_every > 0``.
-    - text ``gradwatch/findings``: every finding, with its explanation; plus a Custom Scalars layout
-      grouping the charts above.
+    - text ``gradwatch/findings``: every finding, with its explanation; plus a Custom Scalars layout, one
+      question per chart, drawn from the scalars above and these, derived for it:
+      ``gradwatch/incidents/grad_norm`` and ``gradwatch/incidents/loss`` (a marker at steps with a finding, a
+      skipped update or a NaN/Inf), ``gradwatch/layer_norm_spread`` (largest / smallest per-module norm),
+      ``gradwatch/update_ratio_median`` and ``gradwatch/findings_stacked/<kind>`` (findings so far, stacked
+      by kind).
 
     Each finding is also appended to ``gradwatch.jsonl`` next to the event files.
 

@@ -309,9 +309,8 @@ def test_tensorboard_logger_receives_the_tags(pl_ns: Any) -> None:
         assert [s for s, _ in scalars["gradwatch/grad_norm/total"]] == [0, 1, 3, 4]  # step 2 is non-finite
         for tag in ("gradwatch/grad_norm/body", "gradwatch/grad_norm/head", "gradwatch/loss"):
             assert tag in scalars, sorted(scalars)
-        # counters are written when they change (and with the per-layer scalars): 0 at step 0, 1 from step 2
-        assert scalars["gradwatch/skipped_steps"][0] == (0, 0.0)
-        assert scalars["gradwatch/skipped_steps"][-1] == (2, 1.0)
+        # 0 at step 0 and repeated at step 1 (a step, not a ramp, at the skip), 1 at every step from step 2
+        assert scalars["gradwatch/skipped_steps"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
         assert scalars["gradwatch/findings/none_grad"][0] == (0, 1.0)
         with open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8") as fh:
             kinds = {json.loads(line).get("kind") for line in fh}

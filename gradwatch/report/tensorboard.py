@@ -3,7 +3,9 @@
 Scalars of one step are written as a single event with many values, built on a background thread, so
 the training thread only appends a tuple of floats to a list, handed to that thread every
 ``HANDOFF_STEPS`` steps (and at every flush and at close). Non-finite values are left out of the
-scalars (they would break charts); the number of non-finite gradients is logged instead.
+scalars (they would break charts); the number of non-finite gradients is logged instead. The dashboard's
+own series (incident markers, running totals drawn as steps, one-line-per-run summaries of the per-layer
+scalars) are derived on that thread too (:class:`gradwatch.dashboard.ChartSeries`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from gradwatch.dashboard import ChartSeries
 from gradwatch.findings import Finding
 from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
 
@@ -46,6 +49,7 @@ class TensorBoardReporter:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: list[tuple[int, dict[str, float], float]] = []
         self._handoff = max(1, min(HANDOFF_STEPS, flush_every))
+        self._series = ChartSeries()  # the dashboard's derived series, kept on the writer thread
         self._thread = threading.Thread(target=self._run, name="gradwatch-tensorboard", daemon=True)
         self._thread.start()
         self._closed = False
@@ -124,7 +128,8 @@ class TensorBoardReporter:
                     item(self.writer)
                 else:
                     for step, values, walltime in item:
-                        self._write_scalars(step, values, walltime)
+                        for at, derived in self._series.derive(step, values):
+                            self._write_scalars(at, derived, walltime)
             except Exception as exc:  # noqa: BLE001 - the writer thread must survive a full disk
                 try:
                     where = "TensorBoardReporter (writer thread)"
