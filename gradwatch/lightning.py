@@ -39,7 +39,9 @@ from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping
 
-INSTALL_HINT = 'pip install "gradwatch[lightning]"'
+# gradwatch is installed when this hint shows; Lightning is what is missing. ("gradwatch[lightning]" alone would
+# look for gradwatch on a package index, which does not hold it.)
+INSTALL_HINT = 'pip install lightning (or, in a gradwatch checkout, pip install ".[lightning]")'
 
 
 def _callback_bases() -> tuple[type, ...]:

@@ -245,7 +245,7 @@ def test_other_ranks_finding_says_its_data_is_the_cause(runs: list[dict[str, Any
 
 
 # -- DDP with uneven inputs under model.join(): gradwatch runs no collective of its own ----------------------
-UNEVEN_TIMEOUT = 40  # a hang fails here instead of blocking the suite
+UNEVEN_TIMEOUT = TIMEOUT  # a hang fails here instead of blocking the suite; 40 s was too short on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +312,7 @@ def test_ddp_join_nan_is_skipped_by_a_local_decision_that_agrees(uneven_runs: li
 
 
 # -- a model that runs collectives of its own: the replay on one rank runs none -----------------------------
-COLLECTIVE_TIMEOUT = 40  # a hang fails here instead of blocking the suite
+COLLECTIVE_TIMEOUT = TIMEOUT  # a hang fails here instead of blocking the suite; 40 s was too short on a busy machine
 
 
 @pytest.fixture(scope="module")
