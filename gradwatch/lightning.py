@@ -1,7 +1,10 @@
 """The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.engine.Engine`.
 
-Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: the callback subclasses the
-``Callback`` base of every Lightning namespace that is installed (the two are distinct classes).
+Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: a callback is a ``Callback`` of
+every Lightning namespace the program has imported when the callback is built (the two are distinct classes).
+gradwatch imports no namespace the program has not imported: importing ``pytorch_lightning`` re-points
+Lightning's rank-zero logger away from ``lightning.pytorch``'s. A callback built before any Lightning import
+is a ``lightning.pytorch`` callback (or a ``pytorch_lightning`` one when only that is installed).
 
 Where it hooks in:
 
@@ -21,6 +24,7 @@ Where it hooks in:
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 import pickle
@@ -43,37 +47,52 @@ from gradwatch.watch import _stepping
 INSTALL_HINT = 'pip install "gradwatch[lightning]"'
 
 
-def _callback_bases() -> tuple[type, ...]:
-    # Each namespace on its own: `try lightning.pytorch except: pytorch_lightning` would pick one base and
-    # make the callback unusable in the other namespace's Trainer.
-    bases: list[type] = []
-    try:
-        from lightning.pytorch.callbacks import Callback as _LightningCallback
-
-        bases.append(_LightningCallback)
-    except ImportError:
-        pass
-    try:
-        from pytorch_lightning.callbacks import Callback as _PLCallback
-
-        bases.append(_PLCallback)
-    except ImportError:
-        pass
-    if not bases:
-        raise ImportError(
-            "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
-            f"installed. Install it with: {INSTALL_HINT}"
-        )
-    return tuple(bases)
-
-
-_BASES = _callback_bases()
-
+#: The Lightning namespaces, each with the module that defines its ``Callback``.
+_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 _LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-class GradWatchCallback(*_BASES):  # type: ignore[misc]
+def _namespaces_in_use() -> tuple[str, ...]:
+    """The Lightning namespaces the program has imported; when it has imported none yet (a callback built
+    before ``import lightning.pytorch``), the one Lightning documents, ``lightning.pytorch``, else
+    ``pytorch_lightning``. Importing a namespace the program does not use changes Lightning's logging (each
+    namespace points ``lightning_utilities``' rank-zero logger at its own), so an imported one is never added to.
+    """
+    imported = tuple(ns for ns in _NAMESPACES if getattr(sys.modules.get(ns), "Callback", None) is not None)
+    if imported:
+        return imported
+    for ns in _NAMESPACES:
+        try:
+            importlib.import_module(ns)
+        except ImportError:
+            continue
+        return (ns,)
+    raise ImportError(
+        "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
+        f"installed. Install it with: {INSTALL_HINT}"
+    )
+
+
+def _callback_class(cls: type, namespaces: tuple[str, ...]) -> type:
+    """``cls`` made a ``Callback`` of each namespace (the two ``Callback`` classes are distinct: a callback
+    subclassing both works in either Trainer)."""
+    key = (cls, namespaces)
+    made = _CLASSES.get(key)
+    if made is None:
+        bases = tuple(importlib.import_module(ns).Callback for ns in namespaces)
+        attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_namespaces": namespaces, "_plain": cls}
+        made = _CLASSES[key] = type(cls.__name__, (cls, *bases), attrs)
+    return made
+
+
+def _rebuild(cls: type, namespaces: tuple[str, ...]) -> Any:
+    """Unpickling (``strategy="ddp_spawn"``): the same callback class in the new process."""
+    return object.__new__(_callback_class(cls, namespaces))
+
+
+class GradWatchCallback:
     """Watch a Lightning run with gradwatch: the same checks, findings and settings as ``gradwatch.watch``.
 
     Args:
@@ -122,6 +141,19 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         >>> cb.findings
         []
     """
+
+    _namespaces: tuple[str, ...] = ()  # the Lightning namespaces whose Callback this class subclasses
+    _plain: type | None = None  # the class before the Callback bases were added
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GradWatchCallback:
+        # The Callback bases are those of the namespaces imported when the callback is built, not when this
+        # module is imported (an isort'ed script imports gradwatch before lightning).
+        if not cls._namespaces:
+            cls = _callback_class(cls, _namespaces_in_use())
+        return object.__new__(cls)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _rebuild, (self._plain, self._namespaces), self.__getstate__()
 
     def __init__(
         self,
