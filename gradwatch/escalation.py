@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 from gradwatch.findings import Finding, names_text
 from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
-from gradwatch.module_hooks import owned
+from gradwatch.module_hooks import owned, patched
 from gradwatch.params import fabric_redirect, user_module
 from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
@@ -1649,17 +1649,8 @@ def _lightning_guards(pl_module: Any, losses: list[torch.Tensor]) -> Iterator[No
         "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
         "clip_gradients": lambda *a, **k: None,
     }
-    saved = {name: pl_module.__dict__[name] for name in patches if name in pl_module.__dict__}
-    try:
-        for name, fn in patches.items():
-            object.__setattr__(pl_module, name, fn)
+    with patched(pl_module, patches):  # a copy of the module taken by training_step gets none of them
         yield
-    finally:
-        for name in patches:
-            if name in saved:
-                object.__setattr__(pl_module, name, saved[name])
-            else:
-                pl_module.__dict__.pop(name, None)
 
 
 def _has_trainer(pl_module: Any) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import math
 import os
 import pickle
@@ -69,6 +70,21 @@ def _namespaces_in_use() -> tuple[str, ...]:
         except ImportError:
             continue
         return (ns,)
+    raise ImportError(
+        "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
+        f"installed. Install it with: {INSTALL_HINT}"
+    )
+
+
+def _installed(namespace: str) -> bool:
+    """Whether the namespace's package is installed, without importing it."""
+    top = namespace.split(".")[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None
+    return importlib.util.find_spec(top) is not None
+
+
+if not any(_installed(ns) for ns in _NAMESPACES):
     raise ImportError(
         "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
         f"installed. Install it with: {INSTALL_HINT}"
