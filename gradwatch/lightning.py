@@ -281,9 +281,10 @@ class GradWatchCallback:
                 )
             return
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
+        records = _records_dir(trainer) if self.config.log_dir is None else None  # on every rank: a collective
         engine = Engine(
             pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir,
-            run_id=self._run_id,
+            run_id=self._run_id, records_dir=records,
         )
         self.engine = engine
         try:
@@ -648,6 +649,22 @@ def _tensorboard_writer(trainer: Any) -> tuple[Any, str | None]:
             if isinstance(experiment, writer_classes):
                 return experiment, str(logger.log_dir)
     return None, None
+
+
+def _records_dir(trainer: Any) -> str | None:
+    """``trainer.log_dir`` when the Trainer logs, but to no ``TensorBoardLogger``: gradwatch.jsonl and the
+    incident reports go beside the Trainer's own logs (``logger=False``: nowhere). Called on every rank, the
+    same way: ``trainer.log_dir`` broadcasts rank zero's directory."""
+    loggers = getattr(trainer, "loggers", None) or []
+    tensorboard = tuple(
+        cls
+        for cls in (getattr(sys.modules.get(m), "TensorBoardLogger", None) for m in _LOGGER_MODULES)
+        if isinstance(cls, type)
+    )
+    if not loggers or any(isinstance(logger, tensorboard) for logger in loggers):
+        return None
+    log_dir = trainer.log_dir
+    return str(log_dir) if log_dir else None
 
 
 def _scaler(trainer: Any) -> Any:

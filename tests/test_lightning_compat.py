@@ -4,15 +4,19 @@ Lightning's (its logging, its log directories, copies of the module, its learnin
 from __future__ import annotations
 
 import copy
+import glob
 import io
+import json
+import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from typing import Any
 
 import pytest
 import torch
-from conftest import lightning_namespace, tiny_data, tiny_trainer
+from conftest import lightning_namespace, tiny_data, tiny_module, tiny_trainer
 
 lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
 
@@ -237,3 +241,57 @@ def test_the_watched_module_keeps_gradwatch_hooks_while_its_copies_do_not() -> N
     assert gradwatch_objects(copy.deepcopy(model)) == [] and gradwatch_objects(copy.copy(model)) == []
     watcher.close()
     assert gradwatch_objects(model) == [] and "__reduce_ex__" not in vars(model)
+
+
+# -- where the records go --------------------------------------------------------------------------
+def _records(url: str) -> list[dict[str, Any]]:
+    fsspec = pytest.importorskip("fsspec")
+    with fsspec.open(url + "/gradwatch.jsonl", "r") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def test_a_memory_url_root_dir_gets_the_records_through_fsspec_and_no_local_folder(
+    pl_ns: Any, tmp_path: Any, monkeypatch: Any
+) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)
+    root = f"memory://gradwatch-{pl_ns.__name__}-{uuid.uuid4().hex}"
+    cb = GradWatchCallback(console=False)
+    trainer = tiny_trainer(pl_ns, [cb], default_root_dir=root, logger=True, enable_checkpointing=True)
+    trainer.fit(tiny_module(pl_ns, nan_at=2))
+    assert str(trainer.log_dir).startswith("memory://") and cb.engine.log_dir == str(trainer.log_dir)
+    kinds = {(r["kind"], r["step"]) for r in _records(cb.engine.log_dir)}
+    assert ("nonfinite_loss", 2) in kinds, kinds
+    assert fsspec.filesystem("memory").exists(cb.engine.log_dir + "/incidents/step_2.md")
+    assert os.listdir(tmp_path) == []  # no folder named "memory:"
+
+
+def test_a_plain_loop_writes_its_records_to_a_memory_url(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://gradwatch-plain-{uuid.uuid4().hex}"
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=False, log_dir=url):
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert ("nonfinite_grad", 2) in {(r["kind"], r["step"]) for r in _records(url)}
+    assert os.listdir(tmp_path) == []
+
+
+def test_with_a_csv_logger_the_records_go_beside_its_logs(pl_ns: Any, tmp_path: Any) -> None:
+    cb = GradWatchCallback(console=False)
+    logger = pl_ns.loggers.CSVLogger(str(tmp_path))
+    trainer = tiny_trainer(pl_ns, [cb], logger=logger)
+    trainer.fit(tiny_module(pl_ns, nan_at=2))
+    log_dir = str(trainer.log_dir)
+    assert log_dir.startswith(str(tmp_path)) and cb.engine.log_dir == log_dir
+    with open(os.path.join(log_dir, "gradwatch.jsonl"), encoding="utf-8") as fh:
+        kinds = {(r["kind"], r["step"]) for r in map(json.loads, fh)}
+    assert ("nonfinite_loss", 2) in kinds, kinds
+    assert os.path.exists(os.path.join(log_dir, "incidents", "step_2.md"))
+    assert not glob.glob(os.path.join(log_dir, "*tfevents*"))  # gradwatch adds no TensorBoard files there
