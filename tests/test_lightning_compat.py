@@ -295,3 +295,66 @@ def test_with_a_csv_logger_the_records_go_beside_its_logs(pl_ns: Any, tmp_path: 
     assert ("nonfinite_loss", 2) in kinds, kinds
     assert os.path.exists(os.path.join(log_dir, "incidents", "step_2.md"))
     assert not glob.glob(os.path.join(log_dir, "*tfevents*"))  # gradwatch adds no TensorBoard files there
+
+
+# -- the learning-rate finder ----------------------------------------------------------------------
+def _regression(ns: Any) -> Any:
+    class Regression(ns.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(8, 16)
+            self.head = torch.nn.Linear(16, 1)
+            self.lr = 0.01
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(x)))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+        def train_dataloader(self) -> Any:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(256, 8, generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    return Regression()
+
+
+def test_the_learning_rate_sweep_of_the_tuner_is_not_reported_and_the_fit_after_it_is_watched(
+    pl_ns: Any, tmp_path: Any
+) -> None:
+    # The sweep drives the loss to Inf/NaN on purpose (learning rates up to 1e3).
+    from importlib import import_module
+
+    tuner = import_module(pl_ns.__name__ + ".tuner").Tuner
+    cb = GradWatchCallback(console=False, log_dir=str(tmp_path))
+    trainer = tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=2, default_root_dir=str(tmp_path))
+    model = _regression(pl_ns)
+    tuner(trainer).lr_find(model, min_lr=1e-3, max_lr=1e3, num_training=30, early_stop_threshold=None)
+    model.lr = 0.01
+    trainer.fit(model)
+    assert cb.findings == [] and cb.engine.steps_checked == 64
+    assert open(os.path.join(tmp_path, "gradwatch.jsonl"), encoding="utf-8").read() == ""
+
+
+def test_a_learning_rate_sweep_between_epochs_is_not_reported(pl_ns: Any, tmp_path: Any) -> None:
+    class AtEpochOne(pl_ns.callbacks.LearningRateFinder):  # the documented "LR finder at milestones"
+        def on_fit_start(self, *args: Any, **kwargs: Any) -> None:
+            return
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.current_epoch == 1:
+                self.lr_find(trainer, pl_module)
+
+    cb = GradWatchCallback(console=False, log_dir=str(tmp_path))
+    finder = AtEpochOne(min_lr=1e-3, max_lr=1e3, num_training_steps=30, early_stop_threshold=None, update_attr=False)
+    trainer = tiny_trainer(pl_ns, [cb, finder], max_steps=-1, max_epochs=3, default_root_dir=str(tmp_path))
+    trainer.fit(_regression(pl_ns))
+    assert [(f.kind, f.step) for f in cb.findings] == [], [f.message for f in cb.findings]
+    assert cb.engine.steps_checked == 96
+    assert open(os.path.join(tmp_path, "gradwatch.jsonl"), encoding="utf-8").read() == ""
