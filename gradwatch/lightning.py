@@ -197,6 +197,7 @@ class GradWatchCallback:
         self._cleared_reported: set[tuple[int, int]] = set()  # (engine, optimizer): gradients cleared after the check
         self._fitted_with: Any = None  # weak reference to the Trainer of the latest fit
         self._automatic = True
+        self._loss_scaler: Any = None  # the precision plugin's GradScaler: it scales the loss before our hook
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` sends to its processes: the settings, not this process's run (its
@@ -204,7 +205,7 @@ class GradWatchCallback:
         a lock) becomes ``True``: each process prints through its own global console (rank zero only)."""
         # Methods bound to a module (Lightning sets a callback's ``log`` during a fit) stay behind too.
         state = {k: v for k, v in self.__dict__.items() if not isinstance(v, types.MethodType)}
-        state.update(engine=None, _escalation=None, _trainer=None, _fitted_with=None, _handles=[])
+        state.update(engine=None, _escalation=None, _trainer=None, _fitted_with=None, _handles=[], _loss_scaler=None)
         console = self.config.console
         if not isinstance(console, bool):
             try:
@@ -299,6 +300,7 @@ class GradWatchCallback:
             engine.load_state_dict(carried)
         self._pending_state = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._loss_scaler = _scaler(trainer)
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
         self._in_step.clear()
         self._checked.clear()
@@ -343,14 +345,16 @@ class GradWatchCallback:
             # A closure optimizer (LBFGS) re-evaluating a step that was already checked.
             for i in self._in_step & self._checked:
                 if i in self._reevaluations and isinstance(loss, torch.Tensor):
-                    self._reevaluations[i][1] = loss.detach()
+                    self._reevaluations[i][1] = _unscaled(loss.detach(), self._loss_scaler)
             return
         if isinstance(loss, torch.Tensor) and loss.numel() > 0:
             loss = loss.detach()
             # Automatic optimization backpropagates loss / accumulate_grad_batches; report the loss itself.
             # Read per step: a GradientAccumulationScheduler changes the factor during the run.
             scale = float(trainer.accumulate_grad_batches) if self._automatic else 1.0
-            engine.observe_loss(loss * scale if scale != 1.0 else loss)
+            if scale != 1.0:
+                loss = loss * scale
+            engine.observe_loss(_unscaled(loss, self._loss_scaler))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         engine = self.engine
@@ -665,6 +669,16 @@ def _records_dir(trainer: Any) -> str | None:
         return None
     log_dir = trainer.log_dir
     return str(log_dir) if log_dir else None
+
+
+def _unscaled(loss: torch.Tensor, scaler: Any) -> torch.Tensor:
+    """The training loss before the precision plugin's GradScaler multiplied it (``MixedPrecision`` and
+    ``FSDPPrecision`` scale it in ``pre_backward``, before ``on_before_backward``). The scale it used is the
+    scaler's current one (it changes in ``update()``, after the step); divided on the device: no sync."""
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor) or not scaler.is_enabled():
+        return loss
+    return loss / scale.to(loss.device)
 
 
 def _scaler(trainer: Any) -> Any:

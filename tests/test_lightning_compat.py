@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import importlib
 import io
 import json
 import os
@@ -358,3 +359,27 @@ def test_a_learning_rate_sweep_between_epochs_is_not_reported(pl_ns: Any, tmp_pa
     assert [(f.kind, f.step) for f in cb.findings] == [], [f.message for f in cb.findings]
     assert cb.engine.steps_checked == 96
     assert open(os.path.join(tmp_path, "gradwatch.jsonl"), encoding="utf-8").read() == ""
+
+
+# -- the loss under fp16 with a GradScaler ---------------------------------------------------------
+def test_under_fp16_with_a_growing_grad_scaler_the_recorded_loss_is_the_unscaled_loss(pl_ns: Any) -> None:
+    precision = importlib.import_module(pl_ns.__name__ + ".plugins.precision")
+    # A scale that starts at 1 and doubles every 2 clean steps: the scaled loss climbs 1000s of times over the run.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2)
+    seen: list[float] = []
+
+    class Losses(pl_ns.Callback):  # the loss training_step returned, before Lightning scales it
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            seen.append(float(outputs["loss"]))
+
+    cb = GradWatchCallback(console=False, window=200)
+    trainer = tiny_trainer(
+        pl_ns, [cb, Losses()], max_steps=36, plugins=[precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
+    trainer.fit(tiny_module(pl_ns, lr=0.01, momentum=0.0))
+    assert scaler.get_scale() >= 2.0**8  # the scale grew a lot
+    recorded = list(cb.engine.history.losses)
+    assert len(recorded) >= 30
+    # The losses of the checked (not overflowed) steps: each one is a loss the run returned, not ~1e5x more.
+    assert max(recorded) < 10 * max(seen) and min(recorded) > min(seen) / 10, (recorded[:5], seen[:5])
+    assert [f.kind for f in cb.findings if f.kind in ("loss_diverging", "loss_spike")] == []
