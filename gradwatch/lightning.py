@@ -161,12 +161,11 @@ class GradWatchCallback:
     _namespaces: tuple[str, ...] = ()  # the Lightning namespaces whose Callback this class subclasses
     _plain: type | None = None  # the class before the Callback bases were added
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> GradWatchCallback:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # The Callback bases are those of the namespaces imported when the callback is built, not when this
         # module is imported (an isort'ed script imports gradwatch before lightning).
-        if not cls._namespaces:
-            cls = _callback_class(cls, _namespaces_in_use())
-        return object.__new__(cls)
+        made = cls if cls._namespaces else _callback_class(cls, _namespaces_in_use())
+        return object.__new__(made)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return _rebuild, (self._plain, self._namespaces), self.__getstate__()

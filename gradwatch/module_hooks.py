@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 #: Where ``nn.Module`` keeps its own hooks, keyed by the handle's id.
 _HOOK_DICTS = (
@@ -38,7 +38,7 @@ _ABSENT = object()
 class _Reduction:
     """The module's ``__reduce_ex__`` while gradwatch has hooks on it: the usual reduction, without them."""
 
-    __slots__ = ("module", "ids", "attrs", "__weakref__")
+    __slots__ = ("__weakref__", "attrs", "ids", "module")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = weakref.ref(module)
@@ -134,4 +134,4 @@ def patched(module: nn.Module, attributes: dict[str, Any]) -> Iterator[None]:
         reduction.release(module)
 
 
-__all__ = ["owned", "OwnedHandle", "patched"]
+__all__ = ["OwnedHandle", "owned", "patched"]

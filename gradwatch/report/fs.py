@@ -54,7 +54,7 @@ def open_file(path: str, mode: str, encoding: str | None = None) -> IO[Any]:
     """``open(path, mode)`` on the local disk or through fsspec. A filesystem that cannot append (object
     stores) gets the file rewritten with its old content first, then appended to until it is closed."""
     if not is_url(path):
-        return open(path, mode, encoding=encoding)  # noqa: SIM115 - the caller closes it
+        return open(path, mode, encoding=encoding)
     fs, target = _filesystem(path)
     if "a" not in mode:
         return fs.open(target, mode, encoding=encoding)
@@ -76,4 +76,4 @@ def deleted(f: IO[Any]) -> bool:
         return False
 
 
-__all__ = ["is_url", "join", "makedirs", "isdir", "open_file", "deleted"]
+__all__ = ["deleted", "is_url", "isdir", "join", "makedirs", "open_file"]
