@@ -48,7 +48,7 @@ from gradwatch.watch import _stepping
 INSTALL_HINT = 'pip install "gradwatch[lightning]"'
 
 
-#: The Lightning namespaces, each with the module that defines its ``Callback``.
+#: The Lightning namespaces (each has its own ``Callback`` class).
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 _LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
@@ -58,8 +58,8 @@ _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 def _namespaces_in_use() -> tuple[str, ...]:
     """The Lightning namespaces the program has imported; when it has imported none yet (a callback built
     before ``import lightning.pytorch``), the one Lightning documents, ``lightning.pytorch``, else
-    ``pytorch_lightning``. Importing a namespace the program does not use changes Lightning's logging (each
-    namespace points ``lightning_utilities``' rank-zero logger at its own), so an imported one is never added to.
+    ``pytorch_lightning``. No other namespace is imported: importing one changes Lightning's logging (each
+    namespace points ``lightning_utilities``' rank-zero logger at its own).
     """
     imported = tuple(ns for ns in _NAMESPACES if getattr(sys.modules.get(ns), "Callback", None) is not None)
     if imported:
@@ -70,7 +70,11 @@ def _namespaces_in_use() -> tuple[str, ...]:
         except ImportError:
             continue
         return (ns,)
-    raise ImportError(
+    raise _not_installed()
+
+
+def _not_installed() -> ImportError:
+    return ImportError(
         "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
         f"installed. Install it with: {INSTALL_HINT}"
     )
@@ -85,10 +89,7 @@ def _installed(namespace: str) -> bool:
 
 
 if not any(_installed(ns) for ns in _NAMESPACES):
-    raise ImportError(
-        "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
-        f"installed. Install it with: {INSTALL_HINT}"
-    )
+    raise _not_installed()
 
 
 def _callback_class(cls: type, namespaces: tuple[str, ...]) -> type:
@@ -98,7 +99,8 @@ def _callback_class(cls: type, namespaces: tuple[str, ...]) -> type:
     made = _CLASSES.get(key)
     if made is None:
         bases = tuple(importlib.import_module(ns).Callback for ns in namespaces)
-        attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_namespaces": namespaces, "_plain": cls}
+        attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        attrs.update(_namespaces=namespaces, _plain=cls)
         made = _CLASSES[key] = type(cls.__name__, (cls, *bases), attrs)
     return made
 
