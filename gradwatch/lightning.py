@@ -1,7 +1,8 @@
 """The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.engine.Engine`.
 
 Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: a callback is a ``Callback`` of
-every Lightning namespace the program has imported when the callback is built (the two are distinct classes).
+every Lightning namespace the program has imported by the time the callback is built (the two are distinct
+classes; the class itself subclasses those imported before this module).
 gradwatch imports no namespace the program has not imported: importing ``pytorch_lightning`` re-points
 Lightning's rank-zero logger away from ``lightning.pytorch``'s. A callback built before any Lightning import
 is a ``lightning.pytorch`` callback (or a ``pytorch_lightning`` one when only that is installed).
@@ -92,15 +93,18 @@ if not any(_installed(ns) for ns in _NAMESPACES):
     raise _not_installed()
 
 
-def _callback_class(cls: type, namespaces: tuple[str, ...]) -> type:
-    """``cls`` made a ``Callback`` of each namespace (the two ``Callback`` classes are distinct: a callback
-    subclassing both works in either Trainer)."""
-    key = (cls, namespaces)
+def _callback_class(cls: Any, namespaces: tuple[str, ...]) -> Any:
+    """``cls``, made a ``Callback`` of each namespace it is not one of yet (the two ``Callback`` classes are
+    distinct: a callback subclassing both works in either Trainer)."""
+    missing = tuple(ns for ns in namespaces if ns not in cls._namespaces)
+    if not missing:
+        return cls
+    key = (cls, missing)
     made = _CLASSES.get(key)
     if made is None:
-        bases = tuple(importlib.import_module(ns).Callback for ns in namespaces)
+        bases = tuple(importlib.import_module(ns).Callback for ns in missing)
         attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        attrs.update(_namespaces=namespaces, _plain=cls)
+        attrs.update(_namespaces=cls._namespaces + missing, _plain=cls._plain or cls)
         made = _CLASSES[key] = type(cls.__name__, (cls, *bases), attrs)
     return made
 
@@ -110,7 +114,12 @@ def _rebuild(cls: type, namespaces: tuple[str, ...]) -> Any:
     return object.__new__(_callback_class(cls, namespaces))
 
 
-class GradWatchCallback:
+#: The namespaces imported before this module: the class itself subclasses their ``Callback`` (so that
+#: ``issubclass(GradWatchCallback, Callback)`` holds where it is asked, e.g. by ``LightningCLI``'s arguments).
+_IMPORTED = tuple(ns for ns in _NAMESPACES if getattr(sys.modules.get(ns), "Callback", None) is not None)
+
+
+class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # type: ignore[misc]
     """Watch a Lightning run with gradwatch: the same checks, findings and settings as ``gradwatch.watch``.
 
     Args:
@@ -160,17 +169,16 @@ class GradWatchCallback:
         []
     """
 
-    _namespaces: tuple[str, ...] = ()  # the Lightning namespaces whose Callback this class subclasses
-    _plain: type | None = None  # the class before the Callback bases were added
+    _namespaces: tuple[str, ...] = _IMPORTED  # the Lightning namespaces whose Callback this class subclasses
+    _plain: type | None = None  # the class before more Callback bases were added
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # The Callback bases are those of the namespaces imported when the callback is built, not when this
-        # module is imported (an isort'ed script imports gradwatch before lightning).
-        made = cls if cls._namespaces else _callback_class(cls, _namespaces_in_use())
-        return object.__new__(made)
+        # Also a Callback of the namespaces imported since this module was (an isort'ed script imports
+        # gradwatch before lightning): decided when the callback is built.
+        return object.__new__(_callback_class(cls, _namespaces_in_use()))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return _rebuild, (self._plain, self._namespaces), self.__getstate__()
+        return _rebuild, (self._plain or type(self), self._namespaces), self.__getstate__()
 
     def __init__(
         self,

@@ -126,6 +126,17 @@ def test_a_callback_built_before_any_lightning_import_is_a_lightning_pytorch_cal
     assert lines[-1] == "modules False True"
 
 
+
+def test_imported_after_lightning_the_class_itself_is_a_callback_subclass() -> None:
+    # LightningCLI (jsonargparse) checks issubclass(class_path, Callback) before it builds the callback.
+    code = (
+        "import sys, lightning.pytorch as pl\n"
+        "from gradwatch.lightning import GradWatchCallback\n"
+        "print(issubclass(GradWatchCallback, pl.Callback), 'pytorch_lightning' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["True", "False"], result.stdout + result.stderr
+
 # -- copies of the module during training ----------------------------------------------------------
 def gradwatch_objects(module: torch.nn.Module) -> list[str]:
     """Everything of gradwatch's that ``module`` (or a submodule) holds in its attributes and hook dicts."""
