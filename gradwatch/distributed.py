@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from gradwatch.findings import Finding, names_text
+from gradwatch.module_hooks import owned
 from gradwatch.report import internal_warning, safe_warn
 from gradwatch.stats import StepStats, layer_key, layer_norms, total_norm
 
@@ -174,7 +175,7 @@ class RankAgreement:
         self._ddp_cls = _ddp_class()
         found = self._ddp_cls is not None and any(isinstance(j, self._ddp_cls) for j in self._joinables)
         if self._ddp_cls is not None and not found and isinstance(model, torch.nn.Module):
-            self._ddp_spotter = model.register_forward_pre_hook(self._spot_ddp)
+            self._ddp_spotter = owned(model, model.register_forward_pre_hook(self._spot_ddp))
 
     def _spot_ddp(self, module: Any, args: Any) -> None:
         # DDP's forward names itself in a class attribute while it runs the wrapped module. O(1), and kept

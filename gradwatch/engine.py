@@ -88,6 +88,8 @@ class Engine:
         optimizers: The watched optimizers.
         config: Validated configuration.
         tb_writer: An existing SummaryWriter to write into (Lightning's logger); else ``config.log_dir``.
+        records_dir: Where ``gradwatch.jsonl`` and incident reports go when there is neither ``tb_writer`` nor
+            ``config.log_dir`` (the directory of a Lightning run's other logger).
         rank_zero: Whether this process reports (console/TensorBoard/JSON lines).
     """
 
@@ -101,6 +103,7 @@ class Engine:
         rank_zero: bool = True,
         tb_log_dir: str | None = None,
         run_id: str | None = None,
+        records_dir: str | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -164,7 +167,7 @@ class Engine:
         self.log_dir: str | None = None
         self.reporters = Reporters([])
         self._unwritable: set[str] = set()
-        self._build_reporters(tb_writer, tb_log_dir)
+        self._build_reporters(tb_writer, tb_log_dir, records_dir)
         self._hooks: list[Any] = []
         if model is not None:
             # Process-wide hooks hold the engine weakly and go with it: an engine never closed must not keep
@@ -179,7 +182,7 @@ class Engine:
                 weakref.finalize(self, handle.remove)
 
     # -- set-up ------------------------------------------------------------------------------------
-    def _build_reporters(self, tb_writer: Any, tb_log_dir: str | None) -> None:
+    def _build_reporters(self, tb_writer: Any, tb_log_dir: str | None, records_dir: str | None = None) -> None:
         c = self.config
         if c.console is not False:
             console = None if c.console is True else c.console
@@ -198,7 +201,7 @@ class Engine:
                 self.log_dir = c.log_dir
             except Exception as exc:  # noqa: BLE001
                 self._warn_unwritable(c.log_dir, exc)
-        jsonl_dir = self.log_dir if tb_writer is not None else c.log_dir
+        jsonl_dir = self.log_dir if tb_writer is not None else c.log_dir or records_dir
         if jsonl_dir is not None:
             try:
                 tb = self.reporters.of_type(TensorBoardReporter)

@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 from gradwatch.findings import Finding, names_text
 from gradwatch.incidents import incident_paths, write_incident
 from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
+from gradwatch.module_hooks import owned, patched
 from gradwatch.params import fabric_redirect, user_module
 from gradwatch.report import host_rng_kept, internal_warning
 from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
@@ -310,8 +311,9 @@ class Escalation:
             observers.append(self._on_loss)
         if self.integration != "plain":
             return
-        self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
-        self._hooks.append(self.model.register_forward_hook(self._on_forward_end, with_kwargs=True))
+        model = self.model
+        self._hooks.append(owned(model, model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True)))
+        self._hooks.append(owned(model, model.register_forward_hook(self._on_forward_end, with_kwargs=True)))
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
@@ -458,9 +460,8 @@ class Escalation:
             # modes would cost graph breaks and recompiles: there the window is anomaly mode only.
             self._live = Localizer(self.model)
             self._live.install_module_hooks()
-            self._window_hooks.append(
-                self.model.register_forward_hook(self._escalated_forward_end, with_kwargs=True, always_call=True)
-            )
+            end = self.model.register_forward_hook(self._escalated_forward_end, with_kwargs=True, always_call=True)
+            self._window_hooks.append(owned(self.model, end))
 
     def _close_window(self) -> None:
         self._restore_checkpoint()
@@ -1655,17 +1656,8 @@ def _lightning_guards(pl_module: Any, losses: list[torch.Tensor]) -> Iterator[No
         "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
         "clip_gradients": lambda *a, **k: None,
     }
-    saved = {name: pl_module.__dict__[name] for name in patches if name in pl_module.__dict__}
-    try:
-        for name, fn in patches.items():
-            object.__setattr__(pl_module, name, fn)
+    with patched(pl_module, patches):  # a copy of the module taken by training_step gets none of them
         yield
-    finally:
-        for name in patches:
-            if name in saved:
-                object.__setattr__(pl_module, name, saved[name])
-            else:
-                pl_module.__dict__.pop(name, None)
 
 
 def _has_trainer(pl_module: Any) -> bool:

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from gradwatch.findings import Finding, _jsonable, display_order
+from gradwatch.report import fs
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class IncidentPaths:
 def incident_paths(log_dir: str, step: int, optimizer_index: int = 0, *, save_batch: bool = False) -> IncidentPaths:
     """The file names of the report for ``step`` (``step_<N>``, ``_opt<k>`` for a second optimizer)."""
     stem = f"step_{step}" + (f"_opt{optimizer_index}" if optimizer_index else "")
-    base = os.path.join(log_dir, "incidents", stem)
+    base = fs.join(log_dir, "incidents", stem)
     return IncidentPaths(base + ".md", base + ".json", base + ".pt" if save_batch else None)
 
 
@@ -52,10 +53,11 @@ def write_incident(
 ) -> None:
     """Write the report files (creating ``incidents/``); raises OSError if they cannot be written. ``run``
     is the run id of the ``gradwatch.jsonl`` records, so ``gradwatch summary`` lists the report with its run."""
-    os.makedirs(os.path.dirname(paths.markdown), exist_ok=True)
+    fs.makedirs(os.path.dirname(paths.markdown))
     batch_file = None
     if paths.batch is not None and inputs is not None:
-        torch.save(tree_map(_to_cpu, inputs), paths.batch)
+        with fs.open_file(paths.batch, "wb") as fh:
+            torch.save(tree_map(_to_cpu, inputs), fh)
         batch_file = os.path.basename(paths.batch)
     record = {
         "step": step,
@@ -67,9 +69,9 @@ def write_incident(
         "note": note,
         "run": run,
     }
-    with open(paths.json, "w", encoding="utf-8") as fh:
+    with fs.open_file(paths.json, "w", encoding="utf-8") as fh:
         json.dump(record, fh, indent=2, allow_nan=False)
-    with open(paths.markdown, "w", encoding="utf-8") as fh:
+    with fs.open_file(paths.markdown, "w", encoding="utf-8") as fh:
         fh.write(_markdown(step, findings, layers, traceback, anomaly_error, batch_file, note))
 
 

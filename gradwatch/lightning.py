@@ -1,7 +1,11 @@
 """The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.engine.Engine`.
 
-Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: the callback subclasses the
-``Callback`` base of every Lightning namespace that is installed (the two are distinct classes).
+Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: a callback is a ``Callback`` of
+every Lightning namespace the program has imported by the time the callback is built (the two are distinct
+classes; the class itself subclasses those imported before this module).
+gradwatch imports no namespace the program has not imported: importing ``pytorch_lightning`` re-points
+Lightning's rank-zero logger away from ``lightning.pytorch``'s. A callback built before any Lightning import
+is a ``lightning.pytorch`` callback (or a ``pytorch_lightning`` one when only that is installed).
 
 Where it hooks in:
 
@@ -21,6 +25,8 @@ Where it hooks in:
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import math
 import os
 import pickle
@@ -44,37 +50,77 @@ from gradwatch.watch import _stepping
 INSTALL_HINT = 'pip install lightning (or, in a gradwatch checkout, pip install ".[lightning]")'
 
 
-def _callback_bases() -> tuple[type, ...]:
-    # Each namespace on its own: `try lightning.pytorch except: pytorch_lightning` would pick one base and
-    # make the callback unusable in the other namespace's Trainer.
-    bases: list[type] = []
-    try:
-        from lightning.pytorch.callbacks import Callback as _LightningCallback
-
-        bases.append(_LightningCallback)
-    except ImportError:
-        pass
-    try:
-        from pytorch_lightning.callbacks import Callback as _PLCallback
-
-        bases.append(_PLCallback)
-    except ImportError:
-        pass
-    if not bases:
-        raise ImportError(
-            "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
-            f"installed. Install it with: {INSTALL_HINT}"
-        )
-    return tuple(bases)
-
-
-_BASES = _callback_bases()
-
+#: The Lightning namespaces (each has its own ``Callback`` class).
+_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 _LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-class GradWatchCallback(*_BASES):  # type: ignore[misc]
+def _namespaces_in_use() -> tuple[str, ...]:
+    """The Lightning namespaces the program has imported; when it has imported none yet (a callback built
+    before ``import lightning.pytorch``), the one Lightning documents, ``lightning.pytorch``, else
+    ``pytorch_lightning``. No other namespace is imported: importing one changes Lightning's logging (each
+    namespace points ``lightning_utilities``' rank-zero logger at its own).
+    """
+    imported = tuple(ns for ns in _NAMESPACES if getattr(sys.modules.get(ns), "Callback", None) is not None)
+    if imported:
+        return imported
+    for ns in _NAMESPACES:
+        try:
+            importlib.import_module(ns)
+        except ImportError:
+            continue
+        return (ns,)
+    raise _not_installed()
+
+
+def _not_installed() -> ImportError:
+    return ImportError(
+        "gradwatch.lightning needs PyTorch Lightning (lightning or pytorch-lightning), which is not "
+        f"installed. Install it with: {INSTALL_HINT}"
+    )
+
+
+def _installed(namespace: str) -> bool:
+    """Whether the namespace's package is installed, without importing it."""
+    top = namespace.split(".")[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None
+    return importlib.util.find_spec(top) is not None
+
+
+if not any(_installed(ns) for ns in _NAMESPACES):
+    raise _not_installed()
+
+
+def _callback_class(cls: Any, namespaces: tuple[str, ...]) -> Any:
+    """``cls``, made a ``Callback`` of each namespace it is not one of yet (the two ``Callback`` classes are
+    distinct: a callback subclassing both works in either Trainer)."""
+    missing = tuple(ns for ns in namespaces if ns not in cls._namespaces)
+    if not missing:
+        return cls
+    key = (cls, missing)
+    made = _CLASSES.get(key)
+    if made is None:
+        bases = tuple(importlib.import_module(ns).Callback for ns in missing)
+        attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        attrs.update(_namespaces=cls._namespaces + missing, _plain=cls._plain or cls)
+        made = _CLASSES[key] = type(cls.__name__, (cls, *bases), attrs)
+    return made
+
+
+def _rebuild(cls: type, namespaces: tuple[str, ...]) -> Any:
+    """Unpickling (``strategy="ddp_spawn"``): the same callback class in the new process."""
+    return object.__new__(_callback_class(cls, namespaces))
+
+
+#: The namespaces imported before this module: the class itself subclasses their ``Callback`` (so that
+#: ``issubclass(GradWatchCallback, Callback)`` holds where it is asked, e.g. by ``LightningCLI``'s arguments).
+_IMPORTED = tuple(ns for ns in _NAMESPACES if getattr(sys.modules.get(ns), "Callback", None) is not None)
+
+
+class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # type: ignore[misc]
     """Watch a Lightning run with gradwatch: the same checks, findings and settings as ``gradwatch.watch``.
 
     Args:
@@ -128,6 +174,17 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         []
     """
 
+    _namespaces: tuple[str, ...] = _IMPORTED  # the Lightning namespaces whose Callback this class subclasses
+    _plain: type | None = None  # the class before more Callback bases were added
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Also a Callback of the namespaces imported since this module was (an isort'ed script imports
+        # gradwatch before lightning): decided when the callback is built.
+        return object.__new__(_callback_class(cls, _namespaces_in_use()))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _rebuild, (self._plain or type(self), self._namespaces), self.__getstate__()
+
     def __init__(
         self,
         *,
@@ -154,6 +211,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         self._cleared_reported: set[tuple[int, int]] = set()  # (engine, optimizer): gradients cleared after the check
         self._fitted_with: Any = None  # weak reference to the Trainer of the latest fit
         self._automatic = True
+        self._loss_scaler: Any = None  # the precision plugin's GradScaler: it scales the loss before our hook
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` sends to its processes: the settings, not this process's run (its
@@ -161,7 +219,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
         a lock) becomes ``True``: each process prints through its own global console (rank zero only)."""
         # Methods bound to a module (Lightning sets a callback's ``log`` during a fit) stay behind too.
         state = {k: v for k, v in self.__dict__.items() if not isinstance(v, types.MethodType)}
-        state.update(engine=None, _escalation=None, _trainer=None, _fitted_with=None, _handles=[])
+        state.update(engine=None, _escalation=None, _trainer=None, _fitted_with=None, _handles=[], _loss_scaler=None)
         console = self.config.console
         if not isinstance(console, bool):
             try:
@@ -241,9 +299,10 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
                 )
             return
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
+        records = _records_dir(trainer) if self.config.log_dir is None else None  # on every rank: a collective
         engine = Engine(
             pl_module, optimizers, self.config, tb_writer=writer, rank_zero=rank_zero, tb_log_dir=writer_dir,
-            run_id=self._run_id,
+            run_id=self._run_id, records_dir=records,
         )
         self.engine = engine
         try:
@@ -259,6 +318,7 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             self._run_id = engine.run_id  # a resumed fit continues the checkpoint's run
         self._pending_state = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._loss_scaler = _scaler(trainer)
         self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
         self._in_step.clear()
         self._checked.clear()
@@ -303,14 +363,16 @@ class GradWatchCallback(*_BASES):  # type: ignore[misc]
             # A closure optimizer (LBFGS) re-evaluating a step that was already checked.
             for i in self._in_step & self._checked:
                 if i in self._reevaluations and isinstance(loss, torch.Tensor):
-                    self._reevaluations[i][1] = loss.detach()
+                    self._reevaluations[i][1] = _unscaled(loss.detach(), self._loss_scaler)
             return
         if isinstance(loss, torch.Tensor) and loss.numel() > 0:
             loss = loss.detach()
             # Automatic optimization backpropagates loss / accumulate_grad_batches; report the loss itself.
             # Read per step: a GradientAccumulationScheduler changes the factor during the run.
             scale = float(trainer.accumulate_grad_batches) if self._automatic else 1.0
-            engine.observe_loss(loss * scale if scale != 1.0 else loss)
+            if scale != 1.0:
+                loss = loss * scale
+            engine.observe_loss(_unscaled(loss, self._loss_scaler))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         engine = self.engine
@@ -610,6 +672,32 @@ def _tensorboard_writer(trainer: Any) -> tuple[Any, str | None]:
             if isinstance(experiment, writer_classes):
                 return experiment, str(logger.log_dir)
     return None, None
+
+
+def _records_dir(trainer: Any) -> str | None:
+    """``trainer.log_dir`` when the Trainer logs, but to no ``TensorBoardLogger``: gradwatch.jsonl and the
+    incident reports go beside the Trainer's own logs (``logger=False``: nowhere). Called on every rank, the
+    same way: ``trainer.log_dir`` broadcasts rank zero's directory."""
+    loggers = getattr(trainer, "loggers", None) or []
+    tensorboard = tuple(
+        cls
+        for cls in (getattr(sys.modules.get(m), "TensorBoardLogger", None) for m in _LOGGER_MODULES)
+        if isinstance(cls, type)
+    )
+    if not loggers or any(isinstance(logger, tensorboard) for logger in loggers):
+        return None
+    log_dir = trainer.log_dir
+    return str(log_dir) if log_dir else None
+
+
+def _unscaled(loss: torch.Tensor, scaler: Any) -> torch.Tensor:
+    """The training loss before the precision plugin's GradScaler multiplied it (``MixedPrecision`` and
+    ``FSDPPrecision`` scale it in ``pre_backward``, before ``on_before_backward``). The scale it used is the
+    scaler's current one (it changes in ``update()``, after the step); divided on the device: no sync."""
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor) or not scaler.is_enabled():
+        return loss
+    return loss / scale.to(loss.device)
 
 
 def _scaler(trainer: Any) -> Any:

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from gradwatch.module_hooks import owned
 from gradwatch.params import _module_wrappers, user_path
 
 ROOT = "<root>"
@@ -341,10 +342,9 @@ class Localizer:
         for name, m in self.root.named_modules():
             label = user_path(name, wrappers) or self.root_label  # no torch.compile / DDP wrapper segments
             # prepend: before the module's own pre-hooks (legacy weight_norm computes the weight in one)
-            self._module_hooks.append(m.register_forward_pre_hook(functools.partial(self._enter, label), prepend=True))
-            self._module_hooks.append(
-                m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
-            )
+            enter = m.register_forward_pre_hook(functools.partial(self._enter, label), prepend=True)
+            leave = m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
+            self._module_hooks += [owned(m, enter), owned(m, leave)]
 
     def remove_module_hooks(self) -> None:
         for h in self._module_hooks:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.module_hooks import owned
 from gradwatch.params import user_module
 from gradwatch.report import internal_warning
 
@@ -196,8 +197,8 @@ class ForwardTracer:
             # self.encoder(x), under the Trainer or Fabric; a ModuleDict of generator and discriminator).
             targets.extend(children)
         for m in targets:
-            self._handles.append(m.register_forward_pre_hook(self._on_pre))
-            self._handles.append(m.register_forward_hook(self._on_post, always_call=True))
+            self._handles.append(owned(m, m.register_forward_pre_hook(self._on_pre)))
+            self._handles.append(owned(m, m.register_forward_hook(self._on_post, always_call=True)))
 
     @property
     def wanted(self) -> bool:

@@ -118,6 +118,8 @@ def dir_identity(path: str) -> int:
 
 def recreate_log_dir(log_dir: str, identity: int) -> None:
     """Recreate a log_dir removed during the run; one warning for every reporter that writes there."""
+    if "://" in log_dir:
+        return  # a URL (fsspec): nothing local to recreate
     os.makedirs(log_dir, exist_ok=True)
     key = (os.path.abspath(log_dir), identity)
     with _warned_lock:

@@ -23,7 +23,7 @@ import uuid
 from typing import Any, Iterator
 
 from gradwatch.findings import Finding
-from gradwatch.report import dir_identity, recreate_log_dir
+from gradwatch.report import dir_identity, fs, recreate_log_dir
 
 FILENAME = "gradwatch.jsonl"
 RUN_START = "run_start"
@@ -40,10 +40,10 @@ class JsonlReporter:
     """Appends each finding as one line of JSON to ``log_dir/gradwatch.jsonl``."""
 
     def __init__(self, log_dir: str, run: str | None = None, event_files: list[str] | tuple[str, ...] = ()) -> None:
-        os.makedirs(log_dir, exist_ok=True)
+        fs.makedirs(log_dir)
         self.log_dir = log_dir
         self._dir_identity = dir_identity(log_dir)
-        self.path = os.path.join(log_dir, FILENAME)
+        self.path = fs.join(log_dir, FILENAME)
         self.run = run or new_run_id()
         self._event_files = list(event_files)
         self._file: Any = self._open()
@@ -62,13 +62,13 @@ class JsonlReporter:
     def _open(self) -> Any:
         torn = False
         try:
-            with open(self.path, "rb") as r:
+            with fs.open_file(self.path, "rb") as r:
                 if r.seek(0, os.SEEK_END) > 0:
                     r.seek(-1, os.SEEK_END)
                     torn = r.read(1) != b"\n"
         except OSError:
             pass  # a new file, or a device that cannot seek: nothing to repair
-        f = open(self.path, "a", encoding="utf-8")
+        f = fs.open_file(self.path, "a", encoding="utf-8")
         if torn:  # an interrupted write left half a line: start ours on a line of its own
             f.write("\n")
         return f
@@ -78,10 +78,10 @@ class JsonlReporter:
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, allow_nan=False) + "\n"
-        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+        if self._file is not None and fs.deleted(self._file):
             self._drop_file()  # log_dir removed during the run: write to a new file, not a deleted one
         if self._file is None:
-            if not os.path.isdir(self.log_dir):
+            if not fs.isdir(self.log_dir):
                 recreate_log_dir(self.log_dir, self._dir_identity)
             self._file = self._open()
         try:
