@@ -488,7 +488,11 @@ class Engine:
         self._backwards_since_check = 0
         self._cleared_backwards = 0
         batch = SyncBatch()
-        norm_slots = _queue_all_norms(batch, op, grads) if full else None
+        source = next((e for e in self.extensions if hasattr(e, "backward_norms")), None)
+        # Plain loops: the norms backward produced, before the loop clipped them (see gradwatch.preclip).
+        norm_slots = source.backward_norms(opt_index, batch, grads, full) if source is not None else None
+        if norm_slots is None and full:
+            norm_slots = _queue_all_norms(batch, op, grads)
         if norm_slots is None:
             norm_slots = queue_grad_norms(batch, grads)
         loss_slot = -1
