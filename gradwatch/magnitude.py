@@ -165,8 +165,9 @@ def converged(history: Any, optimizer_index: int) -> str | None:
 
 
 def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
-    """When the gradients are clipped after gradwatch's check (Lightning's ``gradient_clip_val``, or the
-    module's ``configure_gradient_clipping``; see ``lightning.ClipRatio``), one clause saying so, with the
+    """When the gradients are clipped after gradwatch's measurement (Lightning's ``gradient_clip_val``, the
+    module's ``configure_gradient_clipping``, see ``lightning.ClipRatio``; a plain loop's own clipping, see
+    ``gradwatch.preclip``), one clause saying so, with the
     factor when known (``this_step``: the finding is about this step's gradient). None when nothing is known
     to clip, or when Lightning's norm clipping did not bite (the norm was below ``gradient_clip_val``)."""
     facts = stats.extra.get("clipping")
@@ -187,6 +188,16 @@ def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
             f"Lightning's gradient clipping clamps every gradient element to +-{clip:g} "
             "(gradient_clip_algorithm='value') before the update (gradwatch measures before clipping)"
         )
+    if how == "loop":  # a plain loop that changed the gradients between backward() and step() (preclip)
+        ratio = stats.extra.get("clip_ratio")
+        if not this_step:
+            return "the training loop clips the gradients between backward() and optimizer.step()"
+        if isinstance(ratio, float) and ratio < 1.0:
+            return (
+                f"the training loop scaled this step's gradient down {1 / ratio:.3g}x between backward() and "
+                "optimizer.step() (clipping; gradwatch measures before clipping)"
+            )
+        return None
     if how == "module":
         return (
             "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "

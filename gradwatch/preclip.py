@@ -6,10 +6,14 @@ A plain loop is checked inside ``optimizer.step()``, after whatever the loop did
 (``clip_grad_norm_`` spreads it). So the step's fused per-gradient norms are taken at the end of each
 backward call instead (one ``_foreach_norm``, no sync; queued on the autograd engine from a post-accumulate
 hook on one small parameter per optimizer) and read with the step's one sync. When the gradients are still
-the ones backward left, nothing is computed at the step: the cost moves, it does not double. When the loop
-changed them in place since (its version counter moved), the step's norms are still the backward ones, and
-``gradwatch/clip_ratio`` is the factor the loop scaled that one parameter's gradient by (the clip
-coefficient of ``clip_grad_norm_``; a GradScaler's unscaling is taken out).
+the ones backward left (same tensors, same version counters), nothing is computed at the step: the cost
+moves, it does not double. When the loop changed them all in place since (clipping moves every version
+counter; a GradScaler's ``unscale_`` moves none, so its stage is asked), the step's norms are still the
+backward ones, and ``gradwatch/clip_ratio`` is the factor the loop scaled the watched parameter's gradient
+by (the clip coefficient of ``clip_grad_norm_``; a GradScaler's unscaling is taken out). What the update
+would apply still decides: that gradient cleared or non-finite now (``clip_grad_norm_`` spreads a NaN to
+every gradient) has the step measured again as it is. A loop that wrote into some gradients only (a mask, a
+NaN) or replaced them has its step measured as it is, as before.
 
 A loop that accumulates gradients over several backward passes without changing them before the step would
 pay one fused norm per pass: the first such step turns the hooks off for the rest of the run.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +35,9 @@ import torch
 
 from gradwatch.report import internal_warning
 from gradwatch.stats import SyncBatch, layer_norms, queue_all_norms, queue_grad_norms, total_norm
+
+_VERSION = operator.attrgetter("_version")
+_BEFORE, _NOW, _SCALE = "preclip/before", "preclip/now", "preclip/scale"
 
 #: Relative change of the watched parameter's gradient norm below which the loop did not clip this step.
 UNCHANGED = 1e-4
@@ -44,6 +52,8 @@ class _Taken:
     present: tuple[int, ...] | None  # positions of the gradients present, when some were None
     grad: weakref.ref[torch.Tensor]  # the watched parameter's gradient then, and its version
     version: int
+    ids: list[int]  # every gradient's id and the sum of their versions: did the loop touch any since?
+    versions: int
     rep_norm: torch.Tensor
     passes: int
 
@@ -56,7 +66,7 @@ class BackwardNorms:
         self._reps: dict[int, torch.Tensor] = {}
         self._handles: dict[int, Any] = {}
         self._taken: dict[int, _Taken] = {}
-        self._pending: dict[str, int] = {}
+        self._pending: dict[str, Any] = {}
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -96,7 +106,7 @@ class BackwardNorms:
             before = self._taken.get(index)
             g = rep.grad
             self._taken[index] = _Taken(
-                batch, slots, present, weakref.ref(g), g._version,
+                batch, slots, present, weakref.ref(g), g._version, list(map(id, grads)), sum(map(_VERSION, grads)),
                 torch.linalg.vector_norm(g.detach().float()).reshape(1), (before.passes if before else 0) + 1,
             )
         except Exception as exc:  # noqa: BLE001
@@ -113,23 +123,32 @@ class BackwardNorms:
             return None
         if full != (taken.present is None) or not full and taken.present != self._present(index):
             return None
+        if list(map(id, grads)) != taken.ids:
+            return None
+        touched = sum(map(_VERSION, grads)) != taken.versions
+        if touched and rep.grad._version == taken.version:
+            return None  # the loop wrote into some gradients, not all (a mask, a NaN): measure what it left
         slots = [(batch.add(taken.batch.part(slot)), idx) for slot, idx in taken.slots]
-        g = rep.grad
-        if g is taken.grad() and g._version == taken.version:
-            if taken.passes > 1:  # accumulation, left as backward made it: measure at the step
-                self._off(index)
-            return slots
-        self._pending = {
-            "before": batch.add(taken.rep_norm),
-            "now": batch.add(torch.linalg.vector_norm(g.detach().float()).reshape(1)),
-        }
+        self._pending = {"taken": taken, "index": index, "touched": touched}
         return slots
 
     def before_sync(self, ctx: Any) -> None:
-        if self._pending:  # after AmpMonitor's: it finds the loop's GradScaler
-            scale = self._unscaled_by(ctx.stats.optimizer_index)
-            if scale is not None:
-                self._pending["scale"] = ctx.batch.add(scale)
+        """After AmpMonitor's (it finds the loop's GradScaler, whose unscale_ moves no version counter)."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        taken, index = pending["taken"], pending["index"]
+        g = self._reps[index].grad
+        scale = self._unscaled_by(index)
+        if scale is None and not pending["touched"]:
+            if taken.passes > 1:  # accumulation, left as backward made it: measure at the step from now on
+                self._off(index)
+            return
+        batch, slots = ctx.batch, ctx.slots  # per step: after_sync reads them even a step late (deferred)
+        slots[_BEFORE] = batch.add(taken.rep_norm)
+        slots[_NOW] = batch.add(torch.linalg.vector_norm(g.detach().float()).reshape(1))
+        if scale is not None:
+            slots[_SCALE] = batch.add(scale)
 
     def _present(self, index: int) -> tuple[int, ...]:
         op = self.engine.index.per_optimizer[index]
@@ -156,16 +175,14 @@ class BackwardNorms:
             handle.remove()
 
     def after_sync(self, ctx: Any) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        if ctx.stats.extra.get("amp_overflow_step"):
+        slots = ctx.slots
+        if _BEFORE not in slots or ctx.stats.extra.get("amp_overflow_step"):
             return
         values = ctx.batch.resolve()
         stats = ctx.stats
-        before, now = values[pending["before"]][0], values[pending["now"]][0]
-        if "scale" in pending:
-            scale = values[pending["scale"]][0]
+        before, now = values[slots[_BEFORE]][0], values[slots[_NOW]][0]
+        if _SCALE in slots:
+            scale = values[slots[_SCALE]][0]
             if scale and math.isfinite(scale) and scale != 1.0:
                 before /= scale
                 _rescale(stats, 1.0 / scale, self.engine.config.per_layer)
@@ -186,8 +203,8 @@ class BackwardNorms:
 
     def _measure_now(self, ctx: Any) -> None:
         """The step's gradients as they are now: norms, and NaN/Inf named from them."""
-        grads = [p.grad for p in ctx.params]
-        if any(g is None for g in grads):
+        grads = ctx.grads  # none in deferred mode (read a step late): the backward norms stand
+        if not grads:
             return
         batch = SyncBatch()
         self.engine._fill(ctx.stats, batch, queue_grad_norms(batch, grads), -1, grads)
