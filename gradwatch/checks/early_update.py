@@ -19,7 +19,7 @@ from gradwatch.magnitude import EARLY_UPDATES, UPDATE_TOTAL
 from gradwatch.stats import StepStats
 
 #: A whole-model update this many times the weights' norm, in one step.
-RATIO = 10.0
+RATIO = 3.0
 #: The usual update-to-weight ratio, for the factor the learning rate is off by.
 USUAL = 1e-3
 
