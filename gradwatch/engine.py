@@ -873,6 +873,10 @@ class Engine:
                 found = self._forward_born(exc, s, finding)
             else:
                 found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
+            esc = next((e for e in self.extensions if hasattr(e, "forward_error")), None)
+            if not found and esc is not None:
+                # Raised before any backward (a loss that refuses a NaN input): NaN/Inf data named anyway.
+                found = [f for f in [esc.forward_error(exc, s)] if f is not None]
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None
