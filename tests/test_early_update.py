@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradwatch
-from tests.conftest import lightning_namespace
+from conftest import lightning_namespace
 
 
 def _first(findings: list[gradwatch.Finding], kind: str = "lr_too_high") -> gradwatch.Finding | None:
@@ -125,3 +125,53 @@ def test_one_cycle_schedule_is_not_lr_too_high() -> None:
 
 def test_gpt_style_loop_with_warm_up_is_not_lr_too_high() -> None:
     assert _first(_gpt_loop(1e-3, warmup=10)) is None
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_gan_under_manual_optimization_with_a_learning_rate_1e4x_too_large(namespace: str) -> None:
+    pl = lightning_namespace(namespace)
+    from gradwatch.lightning import GradWatchCallback
+
+    class GAN(pl.LightningModule):
+        def __init__(self, lr: float) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.lr = lr
+            torch.manual_seed(0)
+            self.gen = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 8))
+            self.disc = nn.Sequential(nn.Linear(8, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (real,) = batch
+            opt_g, opt_d = self.optimizers()
+            bce = nn.functional.binary_cross_entropy_with_logits
+            z = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+            fake = self.gen(z)
+            g_loss = bce(self.disc(fake), torch.ones(real.shape[0], 1))
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            d_loss = bce(self.disc(real), torch.ones(real.shape[0], 1)) + bce(
+                self.disc(fake.detach()), torch.zeros(real.shape[0], 1)
+            )
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+            return d_loss
+
+        def configure_optimizers(self) -> Any:
+            return (torch.optim.Adam(self.gen.parameters(), lr=self.lr, betas=(0.5, 0.999)),
+                    torch.optim.Adam(self.disc.parameters(), lr=self.lr, betas=(0.5, 0.999)))
+
+    def fit(lr: float) -> list[gradwatch.Finding]:
+        real = torch.randn(160, 8, generator=torch.Generator().manual_seed(0)) * 0.5 + 1.0
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(real), batch_size=16)
+        cb = GradWatchCallback(console=False)
+        trainer = pl.Trainer(max_epochs=1, callbacks=[cb], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer.fit(GAN(lr), train_dataloaders=data)
+        return cb.findings
+
+    f = _first(fit(2e-4 * 1e4))
+    assert f is not None and f.step <= 10 and "lower the learning rate" in f.message
+    assert _first(fit(2e-4)) is None
