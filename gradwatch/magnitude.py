@@ -249,6 +249,8 @@ def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
 EARLY_UPDATES = 10
 #: ``StepStats.extra`` key of the whole model's measured update-to-weight ratio.
 UPDATE_TOTAL = "update_ratio_total"
+#: ... and of the norm of the weights it was measured against.
+UPDATE_WEIGHTS = "update_ratio_total/weights"
 
 #: Elements of each parameter tensor kept to measure its update (fewer: all of them). The update-to-weight
 #: ratio of a larger tensor is estimated from this fixed random sample of its elements: within a few
@@ -409,6 +411,7 @@ class MagnitudeExtension:
             if total_w > 0 and math.isfinite(total_w) and math.isfinite(total_u):
                 # The whole model's update-to-weight ratio, on every measurement (the first ones included).
                 extra[UPDATE_TOTAL] = total_u / total_w / max(1, info.update_steps)
+                extra[UPDATE_WEIGHTS] = total_w
             if info.early:
                 return  # the early measurements feed the whole-model ratio only (checks/early_update.py)
             ratios: dict[str, float] = {}

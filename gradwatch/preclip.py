@@ -16,7 +16,8 @@ every gradient) has the step measured again as it is. A loop that wrote into som
 NaN) or replaced them has its step measured as it is, as before.
 
 A loop that accumulates gradients over several backward passes without changing them before the step would
-pay one fused norm per pass: the first such step turns the hooks off for the rest of the run.
+pay one fused norm per pass: the first such step turns the hooks off for the rest of the run. In a distributed
+run (sharded gradients, communication hooks that rewrite them) the norms are measured at the step.
 
 Facts written to ``stats.extra``: ``"clip_ratio"`` and ``"clipping"`` (``{"how": "loop"}``, read by the
 magnitude checks' texts), and the ``gradwatch/clip_ratio`` scalar.
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from gradwatch.report import internal_warning
 from gradwatch.stats import SyncBatch, layer_norms, queue_all_norms, queue_grad_norms, total_norm
@@ -70,8 +72,12 @@ class BackwardNorms:
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
+        from gradwatch.distributed import is_distributed
+
+        if is_distributed():
+            return  # sharded gradients (FSDP), comm hooks rewriting them: measured at the step, as before
         for op in engine.index.per_optimizer:
-            leaves = [p for p in op.params if p.requires_grad and p.is_leaf and p.numel()]
+            leaves = [p for p in op.params if p.requires_grad and p.is_leaf and not is_lazy(p) and p.numel()]
             if not leaves or not hasattr(leaves[0], "register_post_accumulate_grad_hook"):
                 continue
             rep = min(leaves, key=lambda p: p.numel())
@@ -107,7 +113,7 @@ class BackwardNorms:
             g = rep.grad
             self._taken[index] = _Taken(
                 batch, slots, present, weakref.ref(g), g._version, list(map(id, grads)), sum(map(_VERSION, grads)),
-                torch.linalg.vector_norm(g.detach().float()).reshape(1), (before.passes if before else 0) + 1,
+                _norm(g), (before.passes if before else 0) + 1,
             )
         except Exception as exc:  # noqa: BLE001
             internal_warning("pre-clip norms (end of backward)", exc, owner=self.engine)
@@ -146,7 +152,7 @@ class BackwardNorms:
             return
         batch, slots = ctx.batch, ctx.slots  # per step: after_sync reads them even a step late (deferred)
         slots[_BEFORE] = batch.add(taken.rep_norm)
-        slots[_NOW] = batch.add(torch.linalg.vector_norm(g.detach().float()).reshape(1))
+        slots[_NOW] = batch.add(_norm(g))
         if scale is not None:
             slots[_SCALE] = batch.add(scale)
 
@@ -223,3 +229,8 @@ def _rescale(stats: Any, factor: float, per_layer: bool) -> None:
     if per_layer and stats.layer_norms:
         stats.layer_norms = layer_norms(stats.modules, stats.norms)
 
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    """One gradient's L2 norm as a 1-element float32 device tensor (a sparse one's from its values)."""
+    values = g.detach().coalesce().values() if g.is_sparse else g.detach()
+    return torch.linalg.vector_norm(values.float()).reshape(1)

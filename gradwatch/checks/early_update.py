@@ -3,9 +3,10 @@
 :mod:`gradwatch.magnitude` measures the whole model's update-to-weight ratio
 ``||weights after - weights before|| / ||weights before||`` on each of the first ``EARLY_UPDATES`` checked
 steps. Around 1e-3 is usual, and even the large early updates of a healthy run (no warm-up, Adam at 1e-2,
-SGD with momentum at 0.1) stay well below 1. An update :data:`RATIO` times the size of the weights comes
-from a learning rate orders of magnitude too large (a typo, a scheduler's peak, a unit mix-up), whatever
-the gradients: it is seen without any observed loss, when the loop clips (Adam's step is about ``lr`` per
+SGD with momentum at 0.1) stay well below 1. An update :data:`RATIO` times the size of the weights (judged
+against a default init's size when the weights are smaller: a small init grows into it) with a learning rate
+outside the usual range, or :data:`RATIO_ALONE` times with any, comes from a learning rate orders of
+magnitude too large (a typo, a scheduler's peak, a unit mix-up), whatever the gradients: it is seen without any observed loss, when the loop clips (Adam's step is about ``lr`` per
 element whatever the gradient's size, and clipping bounds the gradient, not ``lr`` times it), and when the
 gradients stop at 0 right after (a saturated GAN discriminator). Reported once per optimizer.
 """
@@ -15,11 +16,17 @@ from __future__ import annotations
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.magnitude import EARLY_UPDATES, UPDATE_TOTAL
+from gradwatch.checks.exploding import huge_lr
+from gradwatch.checks.exploding import _init_scale as init_scale
+from gradwatch.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 from gradwatch.stats import StepStats
 
-#: A whole-model update this many times the weights' norm, in one step.
+#: A whole-model update this many times the weights' norm (or a default init's, if larger), in one step, with
+#: a learning rate outside the usual range (``exploding.huge_lr``); RATIO_ALONE times whatever the rate.
 RATIO = 3.0
+RATIO_ALONE = 100.0
+#: Optimizers whose step is many iterations (a line search): one step legitimately moves the weights far.
+_SECOND_ORDER = ("LBFGS",)
 #: The usual update-to-weight ratio, for the factor the learning rate is off by.
 USUAL = 1e-3
 
@@ -27,15 +34,28 @@ _KEY = "lr_too_high/{}"
 _SEEN = "lr_too_high/measured"
 
 
-def _facts(stats: StepStats, history: History) -> dict[str, object] | None:
-    ratio = stats.extra.get(UPDATE_TOTAL)
-    if not isinstance(ratio, float) or stats.is_nonfinite:
+def _judged(stats: StepStats) -> float | None:
+    """The whole-model update over the larger of the weights' norm and a default init's: weights drawn
+    small (N(0, 0.01), zeros) grow into their scale in the first updates, legitimately many times their size."""
+    ratio, weights = stats.extra.get(UPDATE_TOTAL), stats.extra.get(UPDATE_WEIGHTS)
+    if not isinstance(ratio, float) or not isinstance(weights, float) or stats.is_nonfinite:
         return None
+    params = stats.extra.get("params")
+    scale = init_scale(params) if isinstance(params, list) else 0.0
+    return ratio * weights / max(weights, scale)
+
+
+def _facts(stats: StepStats, history: History) -> dict[str, object] | None:
     if history.reported.get(_KEY.format(stats.optimizer_index)):
         return None
-    if history.memory.get(_SEEN, {}).get(stats.optimizer_index, 0) > EARLY_UPDATES or ratio < RATIO:
+    if history.memory.get(_SEEN, {}).get(stats.optimizer_index, 0) > EARLY_UPDATES:
         return None
+    ratio = _judged(stats)
     optimizer = stats.extra.get("optimizer")
+    if ratio is None or ratio < RATIO or type(optimizer).__name__ in _SECOND_ORDER:
+        return None
+    if ratio < RATIO_ALONE and huge_lr(stats) is None:
+        return None  # a regression onto large targets moves small weights far at first, at a usual lr
     lrs = []
     for group in getattr(optimizer, "param_groups", None) or ():
         try:
