@@ -151,10 +151,11 @@ class BackwardNorms:
                 self._off(index)
             return
         batch, slots = ctx.batch, ctx.slots  # per step: after_sync reads them even a step late (deferred)
-        slots[_BEFORE] = batch.add(taken.rep_norm)
-        slots[_NOW] = batch.add(_norm(g))
         if scale is not None:
             slots[_SCALE] = batch.add(scale)
+        if pending["touched"]:  # written since backward (clipped): how much, and is it still finite
+            slots[_BEFORE] = batch.add(taken.rep_norm)
+            slots[_NOW] = batch.add(_norm(g))
 
     def _present(self, index: int) -> tuple[int, ...]:
         op = self.engine.index.per_optimizer[index]
@@ -182,16 +183,18 @@ class BackwardNorms:
 
     def after_sync(self, ctx: Any) -> None:
         slots = ctx.slots
-        if _BEFORE not in slots or ctx.stats.extra.get("amp_overflow_step"):
+        if not (_BEFORE in slots or _SCALE in slots) or ctx.stats.extra.get("amp_overflow_step"):
             return
         values = ctx.batch.resolve()
         stats = ctx.stats
-        before, now = values[slots[_BEFORE]][0], values[slots[_NOW]][0]
-        if _SCALE in slots:
-            scale = values[slots[_SCALE]][0]
-            if scale and math.isfinite(scale) and scale != 1.0:
-                before /= scale
-                _rescale(stats, 1.0 / scale, self.engine.config.per_layer)
+        scale = values[slots[_SCALE]][0] if _SCALE in slots else 1.0
+        if not (scale and math.isfinite(scale)):
+            scale = 1.0
+        if scale != 1.0:  # the backward norms are of the scaled gradients
+            _rescale(stats, 1.0 / scale, self.engine.config.per_layer)
+        if _BEFORE not in slots:
+            return
+        before, now = values[slots[_BEFORE]][0] / scale, values[slots[_NOW]][0]
         if math.isfinite(stats.total_norm) and before > 0 and not (now != 0.0 and math.isfinite(now)):
             # Finite after backward, cleared (zero_grad(set_to_none=False)) or made non-finite since: what
             # the update would apply is what counts, measured again (a second read, on such a step only).

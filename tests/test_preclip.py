@@ -175,3 +175,26 @@ def test_accumulating_loop_that_clips_sees_the_accumulated_pre_clip_norm(tmp_pat
     total = {e.step: e.value for e in acc.Scalars("gradwatch/grad_norm/total")}
     for step, norm in enumerate(norms):
         assert total[step] == pytest.approx(norm, rel=1e-3)
+
+
+def test_grad_scaler_without_clipping_shows_unscaled_norms_and_no_clip_ratio(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    norms = []
+    with gradwatch.watch(model, opt, console=False, log_dir=str(tmp_path)) as gw:
+        for step in range(6):
+            x, y = _batch(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])) / 1024.0)
+            scaler.step(opt)
+            scaler.update()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    acc.Reload()
+    total = {e.step: e.value for e in acc.Scalars("gradwatch/grad_norm/total")}
+    assert all(total[step] == pytest.approx(norm, rel=1e-3) for step, norm in enumerate(norms))
+    assert "gradwatch/clip_ratio" not in acc.Tags()["scalars"] and gw.findings == []
