@@ -66,3 +66,35 @@ def test_a_frozen_backbone_with_a_live_head_is_not_grads_all_zero() -> None:
             loss.backward()
             opt.step()
     assert "grads_all_zero" not in [f.kind for f in gw.findings]
+
+
+def test_a_loss_through_round_has_every_gradient_zero_while_the_loss_is_not() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(8):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            loss = (torch.round(model(x)) - 3.0).pow(2).mean()  # round: gradient exactly 0 everywhere
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "grads_all_zero"]
+    assert f.step == 4
+
+
+def test_a_margin_loss_at_zero_is_not_grads_all_zero() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(8):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            out = model(x)
+            loss = torch.relu(out[:, 0] - out[:, 0] - 1.0).mean()  # every margin holds: exactly 0
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "grads_all_zero" not in [f.kind for f in gw.findings]

@@ -5,9 +5,11 @@ gradient is 0 there is nothing to compare with, and the run has stopped learning
 so far that every unit saturates (a learning rate far too high: a sigmoid discriminator that answers exactly 0
 or 1, every ReLU dead), or the loss does not depend on the parameters any more (an output detached, read
 through ``.item()`` or ``.data``, or a loss whose gradient is 0 by construction: argmax, rounding, a clamp).
-Told without an observed loss. Not on steps a GradScaler dropped (their gradients are not looked at), nor when
-the gradients were cleared between backward and the step (``zero_grad``'s own finding), nor after
-``loss_diverging`` said the model died. Reported when it starts, and again after it recovered.
+With an observed loss, when that loss is not exactly 0 (a margin loss at 0 has nothing left to learn from);
+without one, after ``lr_too_high`` for the same optimizer (the first updates threw the weights). Not on steps
+a GradScaler dropped (their gradients are not looked at), nor when the gradients were cleared between
+backward and the step (``zero_grad``'s own finding), nor after ``loss_diverging`` said the model died.
+Reported when it starts, and again after it recovered.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def _all_zero(stats: StepStats, history: History) -> bool:
         return False
     if stats.extra.get("grads_cleared_before_step") or stats.extra.get("amp_overflow_step"):
         return False
+    if stats.loss is not None:
+        if stats.loss == 0.0:
+            return False  # every margin holds (a triplet or hinge loss at 0): nothing left to learn from
+    elif not history.reported.get(f"lr_too_high/{stats.optimizer_index}"):
+        return False  # no loss to tell a stuck model from one at its minimum, and no blow-up before it
     past = history.total_norms.get(stats.optimizer_index, ())
     return newly_sustained(past, True, lambda v: v == 0.0, DEAD)
 
