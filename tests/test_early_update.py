@@ -3,14 +3,15 @@ observed loss, whether the loop clips or its gradients stop at 0."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from conftest import lightning_namespace
 from torch import nn
 
 import gradwatch
-from conftest import lightning_namespace
 
 
 def _first(findings: list[gradwatch.Finding], kind: str = "lr_too_high") -> gradwatch.Finding | None:

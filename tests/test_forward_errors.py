@@ -29,14 +29,14 @@ def _batch(step: int, nan_at: int | None) -> tuple[torch.Tensor, torch.Tensor]:
 def test_nan_batch_that_makes_bce_loss_raise_in_the_forward_is_named() -> None:
     model = _classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="between 0 and 1") as raised:
-        with gradwatch.watch(model, opt, console=False) as gw:
-            for step in range(6):
-                x, y = _batch(step, nan_at=3)
-                loss = nn.functional.binary_cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+    watched = gradwatch.watch(model, opt, console=False)
+    with pytest.raises(RuntimeError, match="between 0 and 1") as raised, watched as gw:
+        for step in range(6):
+            x, y = _batch(step, nan_at=3)
+            loss = nn.functional.binary_cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     assert type(raised.value) is RuntimeError and "between 0 and 1" in str(raised.value)  # unchanged
     (f,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
     assert f.step == 3 and f.data["inputs"][0]["nan"] == 1
@@ -46,17 +46,16 @@ def test_nan_batch_that_makes_bce_loss_raise_in_the_forward_is_named() -> None:
 def test_model_output_made_nan_by_the_weights_is_named_when_the_loss_raises() -> None:
     model = _classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="between 0 and 1"):
-        with gradwatch.watch(model, opt, console=False) as gw:
-            for step in range(6):
-                x, y = _batch(step, nan_at=None)
-                if step == 3:
-                    with torch.no_grad():
-                        model[2].bias.fill_(float("nan"))  # the weights, not the batch
-                loss = nn.functional.binary_cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+    with pytest.raises(RuntimeError, match="between 0 and 1"), gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(6):
+            x, y = _batch(step, nan_at=None)
+            if step == 3:
+                with torch.no_grad():
+                    model[2].bias.fill_(float("nan"))  # the weights, not the batch
+            loss = nn.functional.binary_cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     (f,) = [f for f in gw.findings if f.kind == "nonfinite_input"]
     assert f.step == 3 and f.data["outputs"] and not f.data["inputs"]
 
@@ -64,16 +63,15 @@ def test_model_output_made_nan_by_the_weights_is_named_when_the_loss_raises() ->
 def test_an_exception_with_finite_data_adds_no_nonfinite_input() -> None:
     model = _classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="user's own"):
-        with gradwatch.watch(model, opt, console=False) as gw:
-            for step in range(6):
-                x, y = _batch(step, nan_at=None)
-                loss = nn.functional.binary_cross_entropy(model(x), y)
-                if step == 3:
-                    raise ValueError("user's own")
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+    with pytest.raises(ValueError, match="user's own"), gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(6):
+            x, y = _batch(step, nan_at=None)
+            loss = nn.functional.binary_cross_entropy(model(x), y)
+            if step == 3:
+                raise ValueError("user's own")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     assert [f.kind for f in gw.findings] == []
 
 

@@ -49,7 +49,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         except (TypeError, ValueError, RuntimeError):
             continue
     lr_text = f" (learning rate {', '.join(lrs[:4])})" if lrs else ""
-    early = history.reported.get("lr_too_high/{}".format(stats.optimizer_index))
+    early = history.reported.get(f"lr_too_high/{stats.optimizer_index}")
     return [
         Finding(
             kind="grads_all_zero",

@@ -13,11 +13,11 @@ gradients stop at 0 right after (a saturated GAN discriminator). Reported once p
 
 from __future__ import annotations
 
+from gradwatch.checks.exploding import _init_scale as init_scale
+from gradwatch.checks.exploding import huge_lr
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.checks.exploding import huge_lr
-from gradwatch.checks.exploding import _init_scale as init_scale
 from gradwatch.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 from gradwatch.stats import StepStats
 
