@@ -461,6 +461,7 @@ class AmpMonitor:
             "persistent": persistent,
             "loss_nonfinite": streak["loss_nonfinite"],
             "optimizer": stats.optimizer_index,
+            "run_steps": stats.step + 1,  # the steps so far, dropped ones included
             **more,
         }
 
@@ -493,11 +494,30 @@ class AmpMonitor:
             self._hook.remove()
             self._hook = None
         engine, self._engine = self._engine, None
-        if engine is not None and self.integration == "plain":
-            try:
+        if engine is None:
+            return
+        try:
+            if self.integration == "plain":
+                if self.scaler is None and not any(engine.step_counts):
+                    # No update ever reached the optimizer, so no check found the scaler: the loop's own.
+                    self.scaler = _scaler_in_callers(depth=8)
                 self._count_trailing_overflows(engine)
-            except Exception as exc:  # noqa: BLE001
-                internal_warning("AmpMonitor.close", exc, owner=engine)
+            else:
+                self._report_open_streak(engine)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("AmpMonitor.close", exc, owner=engine)
+
+    def _report_open_streak(self, engine: Any) -> None:
+        """The run ended inside a streak of dropped updates: reported at close, as it would be at its end."""
+        done, self._streak = self._streak, None
+        if done is None:
+            return
+        stats = StepStats(step=done["first_step"] + done["n"] - 1)
+        self._report(stats, done=done, open_at_end=True)
+        from gradwatch.checks import amp_overflow
+
+        for f in amp_overflow.check(stats, engine.history, engine.config):
+            engine.add_finding(f)
 
     def _count_trailing_overflows(self, engine: Any) -> None:
         """Overflow steps after the last checked one (read once, at the end of the run)."""
@@ -526,7 +546,7 @@ class AmpMonitor:
         if done is None:
             return
         stats = StepStats(step=engine.step_counts[0] - 1)
-        self._report(stats, done=done)
+        self._report(stats, done=done, open_at_end=True)
         from gradwatch.checks import amp_overflow
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
@@ -617,6 +637,21 @@ def _on_traceback(exc: BaseException, function: str, package: str) -> bool:
         frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(package)
         for frame, _line in traceback_entries(exc)
     )
+
+
+def _scaler_in_callers(depth: int) -> Any:
+    """The one GradScaler that scaled a loss held by a local or global variable of the calling frames (at
+    close: the training loop's ``scaler``), or None."""
+    found: list[Any] = []
+    frame: Any = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        for v in (*frame.f_locals.values(), *frame.f_globals.values()):
+            if _is_scaler(v) and getattr(v, "_scale", None) is not None and all(v is not f for f in found):
+                found.append(v)
+        frame = frame.f_back
+    return found[0] if len(found) == 1 else None
 
 
 def _scaler_in_stack(depth: int = 32) -> Any:

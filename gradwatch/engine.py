@@ -494,7 +494,11 @@ class Engine:
         self._backwards_since_check = 0
         self._cleared_backwards = 0
         batch = SyncBatch()
-        norm_slots = _queue_all_norms(batch, op, grads) if full else None
+        source = next((e for e in self.extensions if hasattr(e, "backward_norms")), None)
+        # Plain loops: the norms backward produced, before the loop clipped them (see gradwatch.preclip).
+        norm_slots = source.backward_norms(opt_index, batch, grads, full) if source is not None else None
+        if norm_slots is None and full:
+            norm_slots = _queue_all_norms(batch, op, grads)
         if norm_slots is None:
             norm_slots = queue_grad_norms(batch, grads)
         loss_slot = -1
@@ -893,6 +897,10 @@ class Engine:
                 found = self._forward_born(exc, s, finding)
             else:
                 found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
+            esc = next((e for e in self.extensions if hasattr(e, "forward_error")), None)
+            if not found and esc is not None:
+                # Raised before any backward (a loss that refuses a NaN input): NaN/Inf data named anyway.
+                found = [f for f in [esc.forward_error(exc, s)] if f is not None]
         except Exception as e:  # noqa: BLE001
             internal_warning("explain_exception", e, owner=self)
             return None

@@ -69,6 +69,7 @@ import math
 import re
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -113,7 +114,7 @@ class _Call:
 
     __slots__ = (
         "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "output_ok",
-        "__weakref__",
+        "outputs", "__weakref__",
     )
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
@@ -131,6 +132,9 @@ class _Call:
         self.held = True
         #: Escalated steps only: a device flag, whether every value of the forward's output was finite.
         self.output_ok: torch.Tensor | None = None
+        #: Weak references to the forward's output tensors: read only when an exception ends the loop (they
+        #: live as long as the loop's own variables, a traceback's frames included).
+        self.outputs: list[Any] = []
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.held:
@@ -355,12 +359,15 @@ class Escalation:
             return None
         call = self._calls[-1]
         if isinstance(output, torch.Tensor):
+            call.outputs = [weakref.ref(output)]
             if output.requires_grad:
                 output.register_hook(functools.partial(call.set_grad, 0))
                 call.nodes, call.node_index = (output.grad_fn,), (0,)
             return None
         nodes, index = [], []
-        for i, t in enumerate(_output_leaves(output)):
+        leaves = _output_leaves(output)
+        call.outputs = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)][:MAX_CALLS]
+        for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(call.set_grad, i))
                 nodes.append(t.grad_fn)
@@ -765,6 +772,20 @@ class Escalation:
         if not _nonfinite_flags([result.output_ok])[0]:
             return []
         return self._nonfinite_inputs(minus_inf=True)
+
+    def forward_error(self, exc: BaseException, step: int) -> Finding | None:
+        """An exception ended the loop with no NaN/Inf gradient or loss to explain (a loss that raised on a
+        NaN input: BCELoss's "between 0 and 1"): a ``nonfinite_input`` finding when the step's inputs, or the
+        outputs of the model's latest forward, hold NaN/Inf. Exception path only: a read per tensor."""
+        inputs = self._nonfinite_inputs()
+        outputs: list[tuple[str, int, int]] = []
+        if not inputs and self._calls:
+            refs = self._calls[-1].outputs
+            live = [(("output" if len(refs) == 1 else f"output {i}"), r()) for i, r in enumerate(refs)]
+            outputs = _bad_data([(n, t) for n, t in live if t is not None and (t.is_floating_point() or t.is_complex())])
+        if not inputs and not outputs:
+            return None
+        return _forward_error_finding(step, exc, inputs, outputs)
 
     def _output_nan(self) -> bool:
         """Whether a held output gradient of the step holds NaN: the loss (or the loss code) was NaN. A
@@ -1762,6 +1783,41 @@ def _input_finding(
             "inputs": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
             "table": [{"input": n, "nan": a, "inf": b} for n, a, b in bad],
         },
+    )
+
+
+def _forward_error_finding(
+    step: int, exc: BaseException, inputs: list[tuple[str, int, int]], outputs: list[tuple[str, int, int]]
+) -> Finding:
+    """``nonfinite_input`` for a step that raised before its backward: the facts of ``_input_finding``, with
+    the exception they explain."""
+    error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if inputs:
+        base = _input_finding(step, inputs)
+        head, sep, fix = base.message.partition("\nFix:")
+        message = (
+            f"Training stopped at step {step} with {error}, raised before any backward pass. {head} "
+            f"The NaN/Inf went through the model into the code that raised.{sep}{fix}"
+        )
+        data = {**base.data, "outputs": [], "raised": type(exc).__name__, "error": str(exc)}
+        return dataclasses.replace(base, message=message, data=data)
+    parts = [f"{name} ({nan} NaN, {inf} Inf)" for name, nan, inf in outputs]
+    return Finding(
+        kind="nonfinite_input",
+        step=step,
+        severity="error",
+        message=(
+            f"Training stopped at step {step} with {error}, raised before any backward pass, and the model's "
+            f"output holds non-finite values: {', '.join(parts[:8])}. The step's inputs were finite: the model "
+            "made them (weights or buffers already NaN/Inf, or an op out of range in the forward), and the "
+            "code that raised received them.\n"
+            "Fix: look at this run's earlier findings (nonfinite_grad, nan_origin, exploding_grad) for how the "
+            "weights went non-finite; if there are none, run this step with torch.autograd.set_detect_anomaly("
+            "True) to find the forward op, and check for in-place writes to the weights."
+        ),
+        data={"inputs": [], "outputs": [{"output": n, "nan": a, "inf": b} for n, a, b in outputs],
+              "table": [{"input": n, "nan": a, "inf": b} for n, a, b in outputs],
+              "raised": type(exc).__name__, "error": str(exc)},
     )
 
 

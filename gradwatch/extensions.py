@@ -13,6 +13,10 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.amp import AmpMonitor
 
     exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
+    if integration == "plain":  # Lightning checks before its clipping already
+        from gradwatch.preclip import BackwardNorms
+
+        exts.append(BackwardNorms())  # before ZeroGradTracker: it reads the norms of a cleared step
     from gradwatch.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker(integration=integration))

@@ -21,6 +21,8 @@ What it adds to ``StepStats.extra`` (read by ``checks/exploding.py``, ``checks/v
 - ``param_norms``: ``{layer: ||params of the layer||}`` on measuring steps;
 - ``update_ratio``: ``{layer: ratio}`` on the step after a measuring step (divided by the number of
   optimizer steps in between when ``every > 1``);
+- ``update_ratio_total``: the whole model's ratio, also measured on each of the first :data:`EARLY_UPDATES`
+  checked steps (those early measurements give no per-layer ratios: layers are judged on the cadence);
 - ``scalars``: ``gradwatch/update_ratio/<layer>`` for TensorBoard.
 
 Also small robust-statistics helpers (median, MAD) the magnitude checks share.
@@ -165,8 +167,9 @@ def converged(history: Any, optimizer_index: int) -> str | None:
 
 
 def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
-    """When the gradients are clipped after gradwatch's check (Lightning's ``gradient_clip_val``, or the
-    module's ``configure_gradient_clipping``; see ``lightning.ClipRatio``), one clause saying so, with the
+    """When the gradients are clipped after gradwatch's measurement (Lightning's ``gradient_clip_val``, the
+    module's ``configure_gradient_clipping``, see ``lightning.ClipRatio``; a plain loop's own clipping, see
+    ``gradwatch.preclip``), one clause saying so, with the
     factor when known (``this_step``: the finding is about this step's gradient). None when nothing is known
     to clip, or when Lightning's norm clipping did not bite (the norm was below ``gradient_clip_val``)."""
     facts = stats.extra.get("clipping")
@@ -187,6 +190,16 @@ def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
             f"Lightning's gradient clipping clamps every gradient element to +-{clip:g} "
             "(gradient_clip_algorithm='value') before the update (gradwatch measures before clipping)"
         )
+    if how == "loop":  # a plain loop that changed the gradients between backward() and step() (preclip)
+        ratio = stats.extra.get("clip_ratio")
+        if not this_step:
+            return "the training loop clips the gradients between backward() and optimizer.step()"
+        if isinstance(ratio, float) and ratio < 1.0:
+            return (
+                f"the training loop scaled this step's gradient down {1 / ratio:.3g}x between backward() and "
+                "optimizer.step() (clipping; gradwatch measures before clipping)"
+            )
+        return None
     if how == "module":
         return (
             "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "
@@ -230,6 +243,14 @@ def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
         return False
     return not (len(prev) >= n and all(held(v) for v in prev[len(prev) - n :]))
 
+
+#: Checked steps, from the first, whose update is measured (whatever ``update_ratio_every``): a learning
+#: rate far too large throws the weights in the first updates, and is seen in the whole-model ratio.
+EARLY_UPDATES = 10
+#: ``StepStats.extra`` key of the whole model's measured update-to-weight ratio.
+UPDATE_TOTAL = "update_ratio_total"
+#: ... and of the norm of the weights it was measured against.
+UPDATE_WEIGHTS = "update_ratio_total/weights"
 
 #: Elements of each parameter tensor kept to measure its update (fewer: all of them). The update-to-weight
 #: ratio of a larger tensor is estimated from this fixed random sample of its elements: within a few
@@ -283,6 +304,7 @@ class _Snapshot:
     step: int
     #: sqrt(numel / sampled) per tensor: scales a sample's norm to an estimate of the whole tensor's.
     scales: list[float]
+    early: bool = False
 
 
 @dataclass
@@ -294,6 +316,7 @@ class _Inflight:
     update_modules: list[str | None]
     update_steps: int
     update_scales: list[float] = field(default_factory=list)
+    early: bool = False  # measured on one of the first EARLY_UPDATES checks only (not the regular cadence)
 
 
 class MagnitudeExtension:
@@ -341,6 +364,7 @@ class MagnitudeExtension:
                 info.update_modules = [m for _, _, m, _ in pairs]
                 info.update_scales = [c for _, _, _, c in pairs]
                 info.update_steps = steps
+                info.early = snap.early
         wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
         if wanted and i in wanted and count % self.every != 0 and ctx.params:
             # A check asked for this step's weights (see WANT_PARAM_NORMS): their norms only, no update sample.
@@ -351,16 +375,18 @@ class MagnitudeExtension:
                 info.param_modules = [
                     m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta
                 ]
-        if count % self.every == 0 and ctx.params:
+        if (count % self.every == 0 or count < EARLY_UPDATES) and ctx.params:
             params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
             modules = [m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta]
+            early = count % self.every != 0
             if params:
-                info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
-                info.param_modules = modules
+                if not early:  # an early measurement samples the weights for their update only
+                    info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
+                    info.param_modules = modules
                 with torch.no_grad():
                     before = [sample_elements(p) for p in params]
                 scales = [_scale(p, b) for p, b in zip(params, before)]
-                self._snapshots[i] = _Snapshot(params, before, modules, ctx.stats.step, scales)
+                self._snapshots[i] = _Snapshot(params, before, modules, ctx.stats.step, scales, early=early)
         if info.param_slots is not None or info.update_slots is not None:
             self._inflight[id(ctx)] = info
 
@@ -380,6 +406,14 @@ class MagnitudeExtension:
             update_norms = [v * c for v, c in zip(read_grad_norms(values, info.update_slots, n), scales)]
             before = layer_norms(info.update_modules, before_norms)
             update = layer_norms(info.update_modules, update_norms)
+            total_w = math.sqrt(sum(v * v for v in before.values()))
+            total_u = math.sqrt(sum(v * v for v in update.values()))
+            if total_w > 0 and math.isfinite(total_w) and math.isfinite(total_u):
+                # The whole model's update-to-weight ratio, on every measurement (the first ones included).
+                extra[UPDATE_TOTAL] = total_u / total_w / max(1, info.update_steps)
+                extra[UPDATE_WEIGHTS] = total_w
+            if info.early:
+                return  # the early measurements feed the whole-model ratio only (checks/early_update.py)
             ratios: dict[str, float] = {}
             for layer, u in update.items():
                 w = before.get(layer, 0.0)

@@ -596,3 +596,46 @@ def test_clip_raising_on_a_nan_batch_under_a_scaler_is_not_called_an_overflow() 
             clip_loop(model, opt, scaler, 6, gw, nan_batch_at=3)
     assert "amp_overflow" not in gw.summary().kind_counts
     assert kinds(gw.findings) == [("nonfinite_grad", 3), ("nonfinite_input", 3)]  # the batch is named
+
+
+# -- streaks of dropped updates that are not calibration ---------------------------------------------------
+def _drops(init_scale: float, steps: int, hand_scaler: bool) -> list[gradwatch.Finding]:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    extra = {"scaler": scaler} if hand_scaler else {}
+    with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+        amp_loop(model, opt, scaler, steps)
+    return gw.findings
+
+
+@pytest.mark.parametrize("hand_scaler", [True, False], ids=["scaler-handed", "scaler-found"])
+def test_run_that_ends_while_the_scaler_drops_every_update_is_a_warning_at_close(hand_scaler: bool) -> None:
+    # init_scale 2**60: every fp16 gradient overflows for far more than the run's 20 steps (the scale only
+    # halves once per step), so no update ever goes through.
+    (f,) = _drops(2.0**60, 20, hand_scaler)
+    assert (f.kind, f.severity, f.step, f.data["overflow_steps"]) == ("amp_overflow", "warning", 19, 20)
+    assert f.data["open_at_end"] and "no update went through at all" in f.message
+    assert "init_scale" in f.message.split("Fix:")[1]
+
+
+@pytest.mark.parametrize("hand_scaler", [True, False], ids=["scaler-handed", "scaler-found"])
+def test_most_updates_dropped_by_a_far_too_high_init_scale_is_a_warning_not_normal(hand_scaler: bool) -> None:
+    # init_scale 2**40 where about 2**15 fits: about 25 of the run's 30 updates are dropped before one goes through.
+    (f,) = _drops(2.0**40, 30, hand_scaler)
+    assert (f.kind, f.severity, f.step) == ("amp_overflow", "warning", 0)
+    assert 16 <= f.data["overflow_steps"] < 30 and "normal" not in f.message
+
+
+def test_lightning_fit_that_ends_while_the_scaler_drops_every_update_is_a_warning() -> None:
+    pl = _lightning()
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from gradwatch.lightning import GradWatchCallback
+
+    cb = GradWatchCallback(console=text_console())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    trainer = tiny_trainer(pl, [cb], max_steps=20, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(tiny_module(pl))
+    warnings = [f for f in cb.findings if f.kind == "amp_overflow" and f.severity == "warning"]
+    assert len(warnings) == 1 and warnings[0].data["overflow_steps"] == 20 and warnings[0].data["open_at_end"]

@@ -447,3 +447,36 @@ def test_an_adversarial_perturbation_optimized_through_a_trainable_model_is_not_
             loss.backward()
             opt.step()
     assert kinds(gw) == []
+
+
+def test_weight_decay_that_a_warm_up_makes_too_large_is_named_when_it_crosses() -> None:
+    # nanoGPT-style warm-up writing param_group["lr"] in the loop: at step 0 lr is ~0, and lr * weight_decay
+    # (5e2 for 5e-4) crosses 1 at step 10 (lr = 2e-3 of a 6e-3 peak reached at step 30).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=5e2)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(40):
+            for group in opt.param_groups:
+                group["lr"] = 6e-3 * step / 30 if step < 30 else 6e-3
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "weight_decay_too_large"]
+    assert f.step in (10, 11) and f.data["weight_decay"] == 500.0
+
+
+def test_a_warm_up_to_a_usual_weight_decay_is_not_flagged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.1)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for step in range(40):
+            for group in opt.param_groups:
+                group["lr"] = 6e-3 * min(1.0, step / 30)
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not any(f.kind == "weight_decay_too_large" for f in gw.findings)

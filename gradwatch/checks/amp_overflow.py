@@ -1,7 +1,9 @@
 """``amp_overflow`` and ``amp_overflow_persistent``: a gradient scaler dropped updates (fp16 AMP).
 
 Reads ``stats.extra["amp"]``, filled by :class:`gradwatch.amp.AmpMonitor`. An overflow step is the
-scaler working as designed (info); only an overflow that persists is worth a warning.
+scaler working as designed (info); an overflow that persists is worth a warning, and so is a streak of
+:data:`MANY` or more dropped updates that leaves :data:`MOST` of the run's steps so far dropped (reported when
+it ends, or at close when the run ends inside it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         "optimizer": amp.get("optimizer", stats.optimizer_index),
     }
     out: list[Finding] = []
-    if n:
+    if n and _most_dropped(amp, n):
+        out.append(_most_dropped_finding(amp, n, first, data))
+    elif n:
         steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
         out.append(
             Finding(
@@ -93,6 +97,45 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             )
         )
     return out
+
+
+def _most_dropped(amp: dict[str, Any], n: int) -> bool:
+    """A streak of at least MANY dropped updates, and at least MOST of the run's steps so far dropped."""
+    run, total = amp.get("run_steps"), amp.get("total")
+    return n >= MANY and isinstance(run, int) and run > 0 and isinstance(total, int) and total >= MOST * run
+
+
+def _most_dropped_finding(amp: dict[str, Any], n: int, first: int, data: dict[str, Any]) -> Finding:
+    run, total = amp["run_steps"], amp["total"]
+    ended = (
+        " The run ended inside this streak: "
+        + ("no update went through at all." if total >= run else f"no update went through after step {first - 1}.")
+        if amp.get("open_at_end")
+        else ""
+    )
+    return Finding(
+        kind="amp_overflow",
+        step=first + n - 1 if amp.get("open_at_end") else first,
+        severity="warning",
+        message=(
+            f"The gradient scaler dropped {n} updates in a row (steps {first}-{first + n - 1}), {total} of the "
+            f"{run} steps so far: most of this training did not happen.{ended} The loss scale went from "
+            f"{_fmt(amp.get('scale'))} to {_fmt(amp.get('new_scale'))}.\n"
+            "Why it matters: a dropped update is a lost step. Dynamic loss scaling finds its scale within a "
+            "few steps; this many in a row means the scale started far too high (each dropped step halves it), "
+            "or the gradients overflow float16 even unscaled, or are NaN/Inf for another reason.\n"
+            "Fix: start from the default init_scale (65536) or lower (GradScaler(init_scale=...)); if the scale "
+            "kept falling, check the loss and inputs for NaN/Inf, keep overflow-prone ops (softmax, norms, "
+            "large reductions, exp) in float32, or train in bf16 (torch.autocast(dtype=torch.bfloat16), "
+            "precision='bf16-mixed'), which needs no scaler."
+        ),
+        data={**data, "run_steps": run, "open_at_end": bool(amp.get("open_at_end"))},
+    )
+
+
+#: Dropped updates in a row that are more than finding the scale: with at least MOST of the run's steps dropped.
+MANY = 16
+MOST = 2 / 3
 
 
 def _fmt(v: Any) -> str:

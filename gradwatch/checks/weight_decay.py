@@ -3,9 +3,9 @@
 Weight decay multiplies the weights by ``1 - lr * weight_decay`` each step (SGD, AdamW, and optimizers with
 ``decoupled_weight_decay=True``; Adam's or Adagrad's coupled L2 is normalized with the gradient and is left
 out): at 1 or more they flip sign and grow every step, so the run blows up within a few steps. It is almost
-always a typo (``weight_decay=5e2`` for ``5e-4``). Looked at on the first check and every ``EVERY`` steps
-after (a scheduler may raise the learning rate later), until reported once per optimizer: a loop over the
-groups.
+always a typo (``weight_decay=5e2`` for ``5e-4``). Looked at on the first check and again whenever a group's
+``lr`` or ``weight_decay`` changed (a warm-up that writes ``param_group["lr"]`` crosses 1 at a later step),
+until reported once per optimizer: a comparison of a few floats per step.
 """
 
 from __future__ import annotations
@@ -18,18 +18,31 @@ from gradwatch.history import History
 from gradwatch.stats import StepStats
 
 _KEY = "weight_decay_too_large/{}"
-#: Steps between two looks at the groups after the first check.
-EVERY = 64
+#: ``{optimizer index: every group's (lr, weight_decay)}`` at the last look.
+_SEEN = "weight_decay_too_large/settings"
+
+
+def _settings(groups: list[dict]) -> list[tuple[object, object]]:
+    """Every group's ``(lr, weight_decay)``, compared from one step to the next."""
+    return [(_plain(g.get("lr", 0.0)), _plain(g.get("weight_decay", 0.0))) for g in groups]
+
+
+def _plain(v: object) -> object:
+    """A value that compares without a sync: a CPU number as a float, a device tensor by its version."""
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.device.type == "cpu" and v.numel() == 1 else (id(v), v._version)
+    return v
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     key = _KEY.format(stats.optimizer_index)
     if history.reported.get(key):
         return []
-    if stats.optimizer_index in history.last and stats.step % EVERY:
-        return []  # the first check, then every EVERY steps: a schedule moves the learning rate slowly
     optimizer = stats.extra.get("optimizer")
     groups = getattr(optimizer, "param_groups", None) or ()
+    settings = stats.extra[_SEEN] = _settings(groups)
+    if history.memory.get(_SEEN, {}).get(stats.optimizer_index) == settings:
+        return []  # no group's lr or weight_decay changed since the last look
     multiplicative = isinstance(optimizer, (torch.optim.SGD, torch.optim.AdamW))
     for i, group in enumerate(groups):
         if not (multiplicative or group.get("decoupled_weight_decay")):
@@ -65,3 +78,5 @@ def remember(stats: StepStats, history: History) -> None:
     key = _KEY.format(stats.optimizer_index)
     if stats.extra.get(key):
         history.reported[key] = True
+    if _SEEN in stats.extra:
+        history.memory.setdefault(_SEEN, {})[stats.optimizer_index] = stats.extra[_SEEN]
