@@ -14,6 +14,7 @@ Example:
 from gradwatch.config import Config
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.gradcheck import GradcheckResult, gradcheck
+from gradwatch.kinds import KINDS, Kind
 from gradwatch.report import GradWatchInternalWarning
 from gradwatch.summary import RunSummary
 from gradwatch.watch import Watcher, watch
@@ -26,6 +27,8 @@ __all__ = [
     "GradWatchError",
     "GradWatchInternalWarning",
     "GradcheckResult",
+    "KINDS",
+    "Kind",
     "RunSummary",
     "Watcher",
     "gradcheck",
