@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.gradwatch-installed
 
-.PHONY: demo test lightning-demo bench bench-quick clean
+.PHONY: demo test lint lightning-demo bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ lightning-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check gradwatch tests tools benchmarks examples
 
 bench-quick: $(STAMP)
 	$(PY) benchmarks/overhead.py --quick

@@ -261,7 +261,7 @@ def _escalated(wl: Workload, name: str, tmp: str) -> Variant | str:
 
 def _per_param_loop(wl: Workload, name: str, tmp: str) -> Variant:
     model, opt = build(wl)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
 
     def check() -> None:
         bad = 0

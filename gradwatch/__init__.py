@@ -22,16 +22,16 @@ from gradwatch.watch import Watcher, watch
 __version__ = "0.1.0"
 
 __all__ = [
+    "KINDS",
     "Config",
     "Finding",
     "GradWatchError",
     "GradWatchInternalWarning",
     "GradcheckResult",
-    "KINDS",
     "Kind",
     "RunSummary",
     "Watcher",
+    "__version__",
     "gradcheck",
     "watch",
-    "__version__",
 ]

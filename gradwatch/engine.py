@@ -36,10 +36,12 @@ from gradwatch.stats import (
     SyncBatch,
     count_nonfinite,
     layer_norms,
-    queue_all_norms as _queue_all_norms,
     queue_grad_norms,
     read_grad_norms,
     total_norm,
+)
+from gradwatch.stats import (
+    queue_all_norms as _queue_all_norms,
 )
 from gradwatch.summary import RunSummary
 

@@ -70,7 +70,8 @@ import re
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.incidents import incident_paths, write_incident
-from gradwatch.localize import ROOT, Localization, Localizer, Origin, summarize
+from gradwatch.localize import ROOT, Localization, Localizer, summarize
 from gradwatch.module_hooks import owned, patched
 from gradwatch.params import fabric_redirect, user_module
 from gradwatch.report import host_rng_kept, internal_warning
@@ -113,8 +114,19 @@ class _Call:
     """
 
     __slots__ = (
-        "args", "kwargs", "autocast", "rng", "grads", "sums", "nodes", "node_index", "losses", "held", "output_ok",
-        "outputs", "__weakref__",
+        "__weakref__",
+        "args",
+        "autocast",
+        "grads",
+        "held",
+        "kwargs",
+        "losses",
+        "node_index",
+        "nodes",
+        "output_ok",
+        "outputs",
+        "rng",
+        "sums",
     )
 
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
@@ -321,12 +333,12 @@ class Escalation:
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
-            return None
+            return
         if fabric_redirect(module):
             # Fabric calling training_step through DDP: its arguments are the batch, its output the loss; the
             # model's own call inside (self(x)) is the forward to keep.
             self._redirect = args
-            return None
+            return
         if not self._under_compile and torch.compiler.is_compiling():
             # The watched module runs inside a torch.compile'd wrapper (watch(model) of compile(model)):
             # its escalation window must add no function mode or hooks to the trace either.
@@ -339,7 +351,7 @@ class Escalation:
             self._new_step()
             self.last_step = None
         if engine.config.every > 1 and not any(engine.should_check(i) for i in range(len(counts))):
-            return None  # this step is not checked: keep nothing
+            return  # this step is not checked: keep nothing
         calls = self._calls
         calls.append(_Call(args, kwargs, _autocast_state()))
         self._forwards += 1
@@ -349,21 +361,21 @@ class Escalation:
             calls.pop(0).release()
         if self._window_left > 0 and not self._under_compile:
             self._escalated_forward_start()
-        return None
+        return
 
     def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if args is self._redirect:
             self._redirect = None
-            return None
+            return
         if self._replaying or not self._calls or not torch.is_grad_enabled():
-            return None
+            return
         call = self._calls[-1]
         if isinstance(output, torch.Tensor):
             call.outputs = [weakref.ref(output)]
             if output.requires_grad:
                 output.register_hook(functools.partial(call.set_grad, 0))
                 call.nodes, call.node_index = (output.grad_fn,), (0,)
-            return None
+            return
         nodes, index = [], []
         leaves = _output_leaves(output)
         call.outputs = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)][:MAX_CALLS]
@@ -373,7 +385,7 @@ class Escalation:
                 nodes.append(t.grad_fn)
                 index.append(i)
         call.nodes, call.node_index = tuple(nodes), tuple(index)
-        return None
+        return
 
     def _on_loss(self, loss: torch.Tensor) -> None:
         """``observe_loss`` (before backward in the documented loop): O(1) outside an escalation window."""
@@ -502,7 +514,7 @@ class Escalation:
         self._restore_checkpoint()
         live = self._live
         if live is None or self._replaying or not live.recording:
-            return None
+            return
         live.stop_forward()
         try:
             if output is not None:
@@ -515,7 +527,7 @@ class Escalation:
                     )
         except Exception as exc:  # noqa: BLE001
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
-        return None
+        return
 
     def before_sync(self, ctx: Any) -> None:
         if self._half_loss:
@@ -884,7 +896,7 @@ class Escalation:
             finally:
                 live.reset()
                 self._live_used = False
-            upstream_bad, available = self._upstream_state()
+            upstream_bad, _available = self._upstream_state()
             result = _Result(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
             flags = [c.output_ok for c in self._calls if c.output_ok is not None]
             result.output_ok = torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
@@ -1605,7 +1617,7 @@ def _anomaly_traceback(caught: list[warnings.WarningMessage]) -> str | None:
     for w in caught:
         text = str(w.message)
         if text.startswith("Error detected in"):
-            return re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", text, flags=re.S)
+            return re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", text, flags=re.DOTALL)
     return None
 
 
@@ -1904,7 +1916,7 @@ def _poisoned_finding(
         else:
             fix = (
                 "Fix: reload a checkpoint from before it"
-                + (f", and watch every step (every=1) so the next non-finite update is skipped and localized "
+                + (", and watch every step (every=1) so the next non-finite update is skipped and localized "
                    "at the step it happens" if every > 1 else ", and check what wrote the weights")
                 + "."
             )
@@ -2360,4 +2372,4 @@ def _origin_finding(step: int, result: _Result, layers: list[dict[str, Any]]) ->
     )
 
 
-__all__ = ["Escalation", "layer_table", "fix_for", "MAX_CALLS", "MAX_REPORTS"]
+__all__ = ["MAX_CALLS", "MAX_REPORTS", "Escalation", "fix_for", "layer_table"]

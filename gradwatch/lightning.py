@@ -722,4 +722,4 @@ def _clipping(trainer: Any, pl_module: Any) -> tuple[str | None, float | None]:
     return "norm", float(clip)
 
 
-__all__ = ["GradWatchCallback", "ClipRatio", "INSTALL_HINT"]
+__all__ = ["INSTALL_HINT", "ClipRatio", "GradWatchCallback"]

@@ -26,8 +26,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -268,7 +269,7 @@ def _func_name(func: Any) -> str:
     name = getattr(func, "__name__", repr(func))
     qual = getattr(func, "__qualname__", name)
     mod = getattr(func, "__module__", None) or ""
-    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+    if qual.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + name
     if mod.startswith("torch.nn.functional"):
         return "F." + name
@@ -740,7 +741,7 @@ def _read(vectors: list[torch.Tensor | None]) -> list[list[float] | None]:
         if v is not None:
             by_device.setdefault(v.device, []).append(i)
     out: list[list[float] | None] = [None] * len(vectors)
-    for _device, idx in by_device.items():
+    for idx in by_device.values():
         rows = torch.stack([vectors[i] for i in idx]).tolist()  # type: ignore[misc]
         for i, r in zip(idx, rows):
             out[i] = r

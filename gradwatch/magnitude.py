@@ -33,8 +33,9 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -70,7 +71,7 @@ def quantile(values: Iterable[float], q: float) -> float:
     v = sorted([x for x in values if isfinite(x)])
     if not v:
         return math.nan
-    return v[min(len(v) - 1, max(0, int(round(q * (len(v) - 1)))))]
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
 _T = TypeVar("_T")

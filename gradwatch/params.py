@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 

@@ -127,7 +127,7 @@ class BackwardNorms:
         rep = self._reps.get(index)
         if taken is None or rep is None or rep.grad is None:
             return None
-        if full != (taken.present is None) or not full and taken.present != self._present(index):
+        if full != (taken.present is None) or (not full and taken.present != self._present(index)):
             return None
         if list(map(id, grads)) != taken.ids:
             return None

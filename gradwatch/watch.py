@@ -12,7 +12,8 @@ import functools
 import sys
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn

@@ -180,8 +180,9 @@ def rank0_only(rank: int) -> dict[str, Any]:
     Rank 1 has no watcher: gradwatch's all_reduce on rank 0 would pair with one of DDP's on rank 1."""
     import warnings
 
-    import gradwatch.distributed
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradwatch.distributed
 
     gradwatch.distributed.PEER_WAIT = 1.0
     torch.manual_seed(0)
@@ -211,8 +212,9 @@ def probe_on_rank0(rank: int) -> dict[str, Any]:
     watcher): both ranks hung until the process-group timeout."""
     import warnings
 
-    import gradwatch.distributed
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradwatch.distributed
 
     gradwatch.distributed.PEER_WAIT = 1.0
     torch.manual_seed(0)
@@ -394,8 +396,8 @@ def post_local_sgd(rank: int) -> dict[str, Any]:
     """torch's PostLocalSGDOptimizer (its docs example): a wrapper that never ran Optimizer.__init__ and keeps
     the optimizer in ``.optim``; watch() raised AttributeError. A NaN in rank 1's batch at NAN_STEP, during
     local SGD (no gradient all-reduce): both ranks must still skip it, so that the averaging stays finite."""
-    import torch.distributed.algorithms.model_averaging.averagers as averagers
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging import averagers
     from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -15,7 +15,7 @@ from torch import nn
 LIGHTNING_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
 # Property-based tests: "ci" (default) is small and deterministic; HYPOTHESIS_PROFILE=long explores more.
-_NO_DEADLINE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_NO_DEADLINE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("ci", max_examples=15, derandomize=True, database=None, print_blob=True, **_NO_DEADLINE)
 settings.register_profile("long", max_examples=400, **_NO_DEADLINE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -37,7 +37,7 @@ def panels(text: str) -> list[tuple[list[str], int]]:
         title = re.match(r"─ gradwatch (?:info|warning|error): (\w+) at step (\d+)", chunk)
         if title is None:
             continue
-        related = re.findall(r"^│ - (\w+): ", chunk, flags=re.M)
+        related = re.findall(r"^│ - (\w+): ", chunk, flags=re.MULTILINE)
         out.append(([title.group(1), *related], int(title.group(2))))
     return out
 
@@ -182,15 +182,15 @@ def _build_manual(ns: Any) -> type:
 
 def tiny_trainer(ns: Any, callbacks: list[Any], **kwargs: Any) -> Any:
     """A CPU Trainer for a few steps with everything optional switched off (override with kwargs)."""
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-    )
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": False,
+        "num_sanity_val_steps": 0,
+    }
     options.update(kwargs)
     return ns.Trainer(callbacks=callbacks, **options)

@@ -149,7 +149,7 @@ def test_parameters_instead_of_an_optimizer() -> None:
 
 @pytest.mark.parametrize("optimizer", [[], {"opt": 1}, "adam", 3], ids=["empty", "dict", "str", "int"])
 def test_optimizer_of_the_wrong_type(optimizer: Any) -> None:
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         gradwatch.watch(nn.Linear(2, 1), optimizer, console=False)
 
 
@@ -378,7 +378,7 @@ def test_parameters_on_several_devices() -> None:  # pragma: no cover - no GPU o
 def test_scaler_that_is_not_a_grad_scaler() -> None:
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler or None, got str"):
+    with pytest.raises(TypeError, match=r"scaler must be a torch\.amp\.GradScaler or None, got str"):
         gradwatch.watch(model, opt, scaler="amp", console=False)
     assert not opt._optimizer_step_pre_hooks
 

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-from typing import Iterator
 
 import pytest
 import torch
@@ -72,8 +71,8 @@ def test_summary_reports_steps_skips_and_findings_by_kind(recorded_run: str) -> 
     assert kinds["exploding_grad"] == (1, SPIKE_AT, SPIKE_AT)
     assert kinds["nonfinite_loss"] == (1, NAN_AT, NAN_AT)
     text = render(report)
-    assert re.search(rf"^steps +{STEPS} ", text, re.M)
-    assert re.search(r"^skipped updates +1 ", text, re.M)
+    assert re.search(rf"^steps +{STEPS} ", text, re.MULTILINE)
+    assert re.search(r"^skipped updates +1 ", text, re.MULTILINE)
     assert re.search(rf"│ exploding_grad +│ +1 │ +{SPIKE_AT} │ +{SPIKE_AT} │ warning +│", text)
 
 

@@ -8,7 +8,8 @@ import math
 import re
 import statistics
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch

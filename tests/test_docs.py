@@ -208,6 +208,7 @@ def check_python(args: list[str], cwd: Path) -> None:
         paths = args[:1]
     for p in paths:
         assert (ROOT / p.split("::")[0]).exists(), f"{p} does not exist"
+    return None
 
 
 def check_gradwatch(args: list[str], cwd: Path) -> None:

@@ -8,13 +8,13 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import panels
+from torch import nn
 
 import gradwatch
 from gradwatch.escalation import MAX_GRADS, Escalation
@@ -123,7 +123,7 @@ def test_origin_named_on_first_nonfinite_step(kind: str, policy: str) -> None:
     assert first.op == op
     assert first.module == f"encoder.{name}"
     assert first.data["source"].startswith(__file__)
-    assert first.data["code"] is not None and first.data["code"] in open(__file__).read()
+    assert first.data["code"] is not None and first.data["code"] in Path(__file__).read_text()
 
 
 def test_backward_only_nan_is_localized_in_backward_phase() -> None:

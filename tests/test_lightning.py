@@ -104,7 +104,7 @@ def test_callback_is_a_callback_of_both_namespaces_when_both_are_imported() -> N
 
 
 def test_unknown_keyword_is_rejected_with_the_known_ones() -> None:
-    with pytest.raises(TypeError, match="unknown gradwatch option 'on_nan'.*known options: on_nonfinite"):
+    with pytest.raises(TypeError, match=r"unknown gradwatch option 'on_nan'.*known options: on_nonfinite"):
         GradWatchCallback(on_nan="skip")
 
 

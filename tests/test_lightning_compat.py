@@ -145,7 +145,7 @@ def gradwatch_objects(module: torch.nn.Module) -> list[str]:
     def of_gradwatch(v: object) -> bool:
         v = getattr(v, "func", v)  # functools.partial
         v = getattr(v, "__self__", v)  # bound method
-        owner = v if isinstance(v, type) or callable(v) and hasattr(v, "__module__") else type(v)
+        owner = v if isinstance(v, type) or (callable(v) and hasattr(v, "__module__")) else type(v)
         return str(getattr(owner, "__module__", "") or "").startswith("gradwatch")
 
     found = []

@@ -13,8 +13,9 @@ from torch import nn
 
 ns = lightning_namespace("lightning.pytorch")
 
-from gradwatch.lightning import GradWatchCallback  # noqa: E402
 from test_escalation import BAD_STEP, SOURCES, Source, batch  # noqa: E402
+
+from gradwatch.lightning import GradWatchCallback  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers.*",

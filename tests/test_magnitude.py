@@ -4,7 +4,8 @@ on healthy training (with a learning-rate warm-up), and report a persisting cond
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

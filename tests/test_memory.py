@@ -95,7 +95,7 @@ def _held_tensor_elements(gw: Any) -> int:
             if id(obj) not in model_ids:
                 total += obj.numel()
             continue
-        if isinstance(obj, (nn.Module, torch.optim.Optimizer, type)) or callable(obj) and not hasattr(obj, "__dict__"):
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer, type)) or (callable(obj) and not hasattr(obj, "__dict__")):
             continue
         if isinstance(obj, dict):
             stack.extend(obj.keys())

@@ -8,22 +8,22 @@ that the findings are still in memory, and that each broken part is reported onc
 from __future__ import annotations
 
 import glob
-import json
 import io
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from conftest import panels
 from rich.console import Console
 from torch import nn
-
-from conftest import panels
 
 import gradwatch
 from gradwatch import GradWatchInternalWarning

@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import panels
 from rich.console import Console
 from torch import nn
-
-from conftest import panels
 
 import gradwatch
 from gradwatch import Finding, GradWatchError, GradWatchInternalWarning

@@ -378,7 +378,7 @@ def test_lbfgs_iteration_into_nan_within_a_step_is_reported_at_its_step_and_neve
     cb = callback()
     model = build(ns, Boundary, line_search)
     trainer(ns, cb, max_steps=4).fit(model)
-    first = [f for f in cb.findings if f.kind in NONFINITE][0]
+    first = next(f for f in cb.findings if f.kind in NONFINITE)
     assert (first.kind, first.step) == ("nonfinite_loss", 0), show(cb.findings)
     assert first.data["closure_evaluation"] > 1, first.data
     assert torch.isfinite(model.w).all(), model.w

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from gradwatch.config import Config
 from gradwatch.findings import Finding

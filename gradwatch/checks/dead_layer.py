@@ -89,7 +89,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     found = _zero_layers(stats, history)
     if not found or not found[1]:
         return []
-    layers, zero = found
+    _layers, zero = found
     streaks = history.memory.get(_KEY, {}).get(stats.optimizer_index, {})
     new = [k for k in zero if streaks.get(k, 0) + 1 == config.dead_steps]
     if not new:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from gradwatch.checks.not_in_optimizer import built_for_another_model
 from gradwatch.config import Config
 from gradwatch.findings import Finding
-from gradwatch.checks.not_in_optimizer import built_for_another_model
 from gradwatch.history import History
 from gradwatch.stats import StepStats
 

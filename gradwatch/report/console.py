@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from gradwatch.findings import INCIDENT_KINDS, Finding, display_order, incident_panel
 from gradwatch.report import host_rng_kept

@@ -20,7 +20,8 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from gradwatch.findings import Finding
 from gradwatch.report import dir_identity, fs, recreate_log_dir

@@ -15,7 +15,8 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gradwatch.dashboard import ChartSeries
 from gradwatch.findings import Finding
