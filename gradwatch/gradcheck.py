@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
 import math
 import sys
 import threading
@@ -30,7 +29,7 @@ from torch.autograd.function import Function
 from torch.utils._pytree import tree_map
 
 from gradwatch.findings import Finding, _panel
-from gradwatch.localize import ROOT
+from gradwatch.localize import ROOT, code_at, source_text
 from gradwatch.tracing import library_frame
 
 KIND = "bad_backward"
@@ -92,13 +91,11 @@ class FunctionCall:
 
     @property
     def source(self) -> str | None:
-        return None if self.filename is None else f"{self.filename}:{self.lineno} in {self.function}"
+        return source_text(self.filename, self.lineno, self.function)
 
     @property
     def code(self) -> str | None:
-        if self.filename is None or self.lineno is None:
-            return None
-        return linecache.getline(self.filename, self.lineno).strip() or None
+        return code_at(self.filename, self.lineno)
 
 
 @dataclass

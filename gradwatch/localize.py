@@ -68,15 +68,23 @@ class Site:
 
     @property
     def source(self) -> str | None:
-        if self.filename is None:
-            return None
-        return f"{self.filename}:{self.lineno} in {self.function}"
+        return source_text(self.filename, self.lineno, self.function)
 
     @property
     def code(self) -> str | None:
-        if self.filename is None or self.lineno is None:
-            return None
-        return linecache.getline(self.filename, self.lineno).strip() or None
+        return code_at(self.filename, self.lineno)
+
+
+def source_text(filename: str | None, lineno: int | None, function: str | None) -> str | None:
+    """``file:line in function``, or None where the place is unknown."""
+    return None if filename is None else f"{filename}:{lineno} in {function}"
+
+
+def code_at(filename: str | None, lineno: int | None) -> str | None:
+    """The stripped source line at ``filename:lineno``, or None."""
+    if filename is None or lineno is None:
+        return None
+    return linecache.getline(filename, lineno).strip() or None
 
 
 @dataclass

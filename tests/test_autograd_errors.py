@@ -517,7 +517,7 @@ def test_loss_on_frozen_features_while_the_head_output_has_a_graph_names_both_ca
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="does not require grad"):
         with gradwatch.watch(model, opt, console=False) as gw:
-            features, _out = model(torch.randn(8, 4))
+            features, out = model(torch.randn(8, 4))  # noqa: RUF059 - the finding names this variable
             loss = (features - torch.randn(8, 3)).pow(2).mean()  # meant: out
             opt.zero_grad()
             loss.backward()
