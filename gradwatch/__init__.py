@@ -17,9 +17,8 @@ from gradwatch.gradcheck import GradcheckResult, gradcheck
 from gradwatch.kinds import KINDS, Kind
 from gradwatch.report import GradWatchInternalWarning
 from gradwatch.summary import RunSummary
+from gradwatch.version import __version__
 from gradwatch.watch import Watcher, watch
-
-__version__ = "0.1.0"
 
 __all__ = [
     "KINDS",

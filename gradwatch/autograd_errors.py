@@ -30,6 +30,7 @@ import torch
 
 from gradwatch.findings import Finding, names_text
 from gradwatch.inplace_source import SourceWrite, local_writer
+from gradwatch.open_watchers import open_watchers
 from gradwatch.params import user_module
 from gradwatch.tracing import (
     ForwardTracer,
@@ -626,13 +627,11 @@ def _foreign_leaf_finding(
 
 def _watched_elsewhere(ctx: _Context, consumer: Any, shape: tuple[int, ...], now: int) -> bool:
     """The changed tensor is a parameter of another open watcher's model (as ``_modified_param`` finds it)."""
-    from gradwatch.watch import _OPEN
-
     key = (id(ctx.exc), str(ctx.exc))
     # Open watchers, and closed ones that explained this very exception (an inner `with` block exits first).
     others = [
         w.engine.index.param_name
-        for w in list(_OPEN)
+        for w in open_watchers()
         if w.engine is not ctx.engine
         and (not w.closed or (w.engine._explained is not None and w.engine._explained[0] == key))
     ]

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from gradwatch import __version__
+    from gradwatch.version import __version__
 
     return __version__
 

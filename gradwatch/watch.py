@@ -24,6 +24,7 @@ from gradwatch.distributed import is_rank_zero
 from gradwatch.engine import Engine, _weak_method, failed_trial_loss
 from gradwatch.extensions import default_extensions
 from gradwatch.findings import Finding, names_text
+from gradwatch.open_watchers import open_watchers, register
 from gradwatch.report import internal_warning
 from gradwatch.summary import RunSummary
 
@@ -120,7 +121,7 @@ class Watcher:
             extensions = []
         for ext in extensions:
             self.engine.add_extension(ext)
-        _OPEN.add(self)
+        register(self)
         _install_excepthook()
 
     # -- public ------------------------------------------------------------------------------------
@@ -367,8 +368,6 @@ def watch(
     return Watcher(model, optimizer, **config)
 
 
-#: Watchers not closed yet (weakly): an exception nobody caught is explained by them before Python prints it.
-_OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
 _HOOKED: list[Any] = []
 
 
@@ -384,7 +383,7 @@ def _install_excepthook() -> None:
     def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
         try:
             if isinstance(exc, Exception):
-                for w in list(_OPEN):
+                for w in open_watchers():
                     if not w.closed:
                         w.engine.explain_exception(exc)
         except Exception:  # noqa: BLE001, S110 - Python's own report must follow whatever happens here

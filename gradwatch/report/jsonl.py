@@ -107,7 +107,7 @@ class JsonlReporter:
 
 
 def run_start_record(run: str, event_files: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    from gradwatch import __version__
+    from gradwatch.version import __version__
 
     return {
         "event": RUN_START,
