@@ -214,6 +214,11 @@ def _has_data(t: torch.Tensor) -> bool:
         return True
 
 
+#: Factories whose output is uninitialized memory, which the code fills before reading (a gather buffer,
+#: an ``out=`` target): whatever they hold, NaN included, is chance, never where a NaN was born.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
 class _OpRecorder(TorchFunctionMode):
     def __init__(self, loc: Localizer) -> None:
         super().__init__()
@@ -223,7 +228,7 @@ class _OpRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         loc = self.loc
-        if name in ("__get__", "__set__") or not loc.recording:
+        if name in ("__get__", "__set__") or name in _UNINITIALIZED or not loc.recording:
             return func(*args, **kwargs)
         loc.recording = False  # our own checks are not the model's ops
         try:
@@ -253,7 +258,8 @@ class _AtenRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         loc = self.loc
-        if not loc.recording:
+        packet = getattr(getattr(func, "overloadpacket", func), "__name__", "")
+        if not loc.recording or packet in _UNINITIALIZED:
             return func(*args, **kwargs)
         loc.recording = False
         try:
