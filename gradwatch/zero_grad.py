@@ -71,6 +71,7 @@ The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -324,6 +325,13 @@ class _Tracker:
         now = _sample(g)
         return _rewritten(now, before) if now is not None and now.shape == before.shape else None
 
+    def model_grad_replaced(self) -> bool:
+        """The model parameter's gradient was set to None or replaced since the previous check (re-baselined)."""
+        mg = self.model_param.grad if self.model_param is not None else None
+        replaced = mg is None or self.model_ref is None or mg is not self.model_ref()
+        self.model_ref = weakref.ref(mg) if mg is not None else None
+        return replaced
+
     def hook(self, param: torch.Tensor, name: str) -> None:
         self.unhook()
         self.rep = param
@@ -377,6 +385,111 @@ class _Tracker:
         self.handles = []
         self.rep = None
         self.arm_sampling(False, [])
+
+
+#: :func:`after_backward_verdict` values: what happened to the gradients between the last backward pass and the
+#: step (the first two are also the ``stats.extra`` keys they are reported under).
+CLEARED_BEFORE_STEP = "grads_cleared_before_step"
+CLEARED_BETWEEN_BACKWARDS = "cleared_between_backwards"
+CHANGED_AFTER_BACKWARD = "changed_after_backward"
+#: :func:`repick_rule` values: which parameter becomes the representative.
+SMALLEST = "smallest"
+MOST_WRITTEN = "most_written"
+
+
+@dataclass(frozen=True, slots=True)
+class GradObservation:
+    """What one check finds about an optimizer's representative gradient (plain values, no tensors)."""
+
+    backward_passes: int  # accumulations since the previous check
+    kept_passes: int  # the passes the step's gradient still holds
+    state: str  # FRESH, PENDING or UNKNOWN (ACCUMULATED is known after the sync only)
+    has_grad: bool  # the representative holds a gradient
+    any_grads: bool  # the step holds any gradient at all
+    reached_this_step: bool  # the latest pass came after the previous optimizer step
+    changed_after_backward: bool  # the gradient the latest pass wrote was modified in place since
+    last_backward_grad: bool  # the step's gradient is the tensor (and storage) the latest pass wrote
+
+
+def grad_state(t: _Tracker, g: torch.Tensor | None) -> str:
+    """Cleared since the previous check (FRESH), maybe not (PENDING: a lazy read decides), or UNKNOWN."""
+    if t.rep is None or t.base_ref is None:
+        return UNKNOWN
+    if g is None or g is not t.base_ref() or t.cleared:
+        return FRESH
+    if g._version < t.base_version + t.accumulations:
+        return UNKNOWN
+    if t.accumulations == 0:
+        return UNKNOWN  # no backward reached it since the previous step
+    return PENDING if t.old_nonzero else UNKNOWN
+
+
+def observe(t: _Tracker, g: torch.Tensor | None, any_grads: bool, steps_done: int) -> GradObservation:
+    """The tracker's records since the previous check, and the representative's gradient ``g`` now, as facts."""
+    latest = g is not None and t.post_ref is not None and t.post_ref() is g
+    return GradObservation(
+        backward_passes=t.accumulations,
+        kept_passes=t.kept_passes,
+        state=grad_state(t, g),
+        has_grad=g is not None,
+        any_grads=any_grads,
+        reached_this_step=t.accumulated_at == steps_done,
+        changed_after_backward=latest and g._version > t.post_version,
+        last_backward_grad=latest and (g.is_sparse or g.data_ptr() == t.post_ptr),
+    )
+
+
+def after_backward_verdict(seen: GradObservation) -> str | None:
+    """Backward passes reached the representative since the previous check; what came after the last one?
+
+    No gradient at all at step time: cleared before the step. The representative's set to None after a pass of
+    this step while others hold theirs: cleared between two backward passes. Its gradient modified in place:
+    zeroed, or clipped/unscaled (the step's norms and the gradient right after backward decide, after the sync).
+    """
+    if seen.backward_passes <= 0:
+        return None
+    if not seen.any_grads:
+        return CLEARED_BEFORE_STEP
+    if not seen.has_grad and seen.reached_this_step:
+        return CLEARED_BETWEEN_BACKWARDS
+    if seen.changed_after_backward:
+        return CHANGED_AFTER_BACKWARD
+    return None
+
+
+def spans_other_step(t: _Tracker, trackers: list[_Tracker]) -> bool:
+    """The gradient holds passes from before another optimizer's step (and after it).
+
+    That step's backward also went through these parameters and nothing cleared them since. Its last pass
+    reached no other optimizer: its own loss (a GAN's discriminator loss) on top of another's; and the other
+    optimizer's latest pass is the one this gradient starts with (one backward call through both, not merely
+    one with no step in between). A loss every optimizer shares, stepped at different rates on purpose, reaches
+    the others in its last pass too; a probe on detached features stepping every micro-batch while a backbone
+    accumulates never reaches the backbone; a generator accumulating under toggle_optimizer next to a
+    discriminator stepping every batch on its own loss never reaches the discriminator.
+    """
+    if len(trackers) <= 1 or t.kept_passes < 2 or not 0 <= t.first_kept_at < t.accumulated_at:
+        return False
+    others = [o for o in trackers if o is not t]
+    return all(o.accumulated_at < t.accumulated_at for o in others) and any(
+        o.accumulated_at == t.first_kept_at and o.accumulated_task == t.first_kept_task for o in others
+    )
+
+
+def sampling_armed(passes: Any, kept_passes: int) -> bool:
+    """Sample after each pass from the next step on: this one had SAMPLE_PASSES+ passes, each clearing the last."""
+    return isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] > 0 and kept_passes == 1
+
+
+def repick_rule(any_grads: bool, has_grad: bool, unreached: bool, swapped: bool) -> str | None:
+    """Re-pick the representative if it holds no gradient while others do (the smallest parameter), or if no
+    backward reached it since the previous check, a rarely used gate or branch (the parameter whose gradient
+    was written most often, smallest first); not when the hooks just moved to the sentinel."""
+    if not any_grads or swapped:
+        return None
+    if not has_grad:
+        return SMALLEST
+    return MOST_WRITTEN if unreached else None
 
 
 class ZeroGradTracker:
@@ -435,97 +548,88 @@ class ZeroGradTracker:
         if i >= len(self.trackers):
             return
         t = self.trackers[i]
-        rep = t.rep
-        if rep is not None and stats.params_changed:
-            op = self.engine.index.per_optimizer[i]
-            if not any(p is rep for p in op.params):
-                t.unhook()
-                rep = None
-            if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
-                t.sentinel = None
-        g = rep.grad if rep is not None else None
-        facts: dict[str, Any] = {
-            "optimizer": i,
-            "param": t.rep_name if rep is not None else None,
-            "backward_passes": t.accumulations,
-            "kept_passes": t.kept_passes,
-            "state": self._state(t, g),
-            "previous_step": t.base_step,
-            "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
-            # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
-            "lightning_automatic": self.integration == "lightning"
-            and bool(getattr(self.engine.model, "automatic_optimization", True)),
-            "lightning": self.integration == "lightning",
-            # The step's gradient is the tensor the latest backward pass wrote (not one the code put there).
-            "last_backward_grad": g is not None
-            and t.post_ref is not None
-            and t.post_ref() is g
-            and (g.is_sparse or g.data_ptr() == t.post_ptr),
-        }
-        if (
-            len(self.trackers) > 1 and t.kept_passes >= 2 and 0 <= t.first_kept_at < t.accumulated_at
-            and all(o.accumulated_at < t.accumulated_at for o in self.trackers if o is not t)
-            and any(
-                o.accumulated_at == t.first_kept_at and o.accumulated_task == t.first_kept_task
-                for o in self.trackers
-                if o is not t
-            )
-        ):
-            # The gradient holds passes from before another optimizer's step (and after it): that step's
-            # backward also went through these parameters and nothing cleared them since. Its last pass
-            # reached no other optimizer: its own loss (a GAN's discriminator loss) on top of another's; and
-            # the other optimizer's latest pass is the one this gradient starts with (one backward call
-            # through both, not merely one with no step in between). A loss every optimizer shares, stepped
-            # at different rates on purpose, reaches the others in its last pass too; a probe on detached
-            # features stepping every micro-batch while a backbone accumulates never reaches the backbone; a
-            # generator accumulating under toggle_optimizer next to a discriminator stepping every batch on
-            # its own loss never reaches the discriminator.
+        if stats.params_changed:
+            self._forget_departed(i, t)
+        g = t.rep.grad if t.rep is not None else None
+        seen = observe(t, g, bool(ctx.grads), sum(self.engine.step_counts))
+        facts = self._facts(i, t, seen)
+        if spans_other_step(t, self.trackers):
             facts["spans_other_step"] = True
-        if facts["state"] == PENDING and t.old_nonzero:
-            held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
-            ctx.slots[_SLOT_ZERO] = ctx.batch.add(held)
-        cleared = False
-        if t.accumulations > 0:
-            if not ctx.grads:
-                cleared = True
-            elif g is None and t.accumulated_at == sum(self.engine.step_counts):
-                # A backward of this step reached it, then its gradient was set to None, and later backward
-                # passes gave other parameters theirs: zero_grad() between two backward passes of this step.
-                stats.extra["cleared_between_backwards"] = True
-            elif g is not None and t.post_ref is not None and t.post_ref() is g and g._version > t.post_version:
-                # Modified in place after the last backward: zeroed, or clipped/unscaled? The step's norms
-                # (all zero?) and whether the gradient held anything right after backward decide.
-                facts["changed_after_backward"] = True
-                if t.post_nonzero is not None:
-                    ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
-        if facts["last_backward_grad"]:
-            rewritten = t.rewritten()
-            if rewritten is True:
-                facts["last_backward_grad"] = False
-            elif isinstance(rewritten, torch.Tensor):
-                ctx.slots[_SLOT_REWRITTEN] = ctx.batch.add(rewritten)
-        passes = stats.extra.get("backward_passes")
-        armed = isinstance(passes, tuple) and passes[0] >= SAMPLE_PASSES and passes[1] > 0 and t.kept_passes == 1
-        t.arm_sampling(armed, ctx.params)
+        verdict = after_backward_verdict(seen)
+        self._record(ctx, t, seen, verdict, facts)
+        t.arm_sampling(sampling_armed(stats.extra.get("backward_passes"), t.kept_passes), ctx.params)
         t.sample_of = None
         if t.model_param is not None:
-            mg = t.model_param.grad
-            facts["model_grad_replaced"] = mg is None or t.model_ref is None or mg is not t.model_ref()
-            t.model_ref = weakref.ref(mg) if mg is not None else None
+            facts["model_grad_replaced"] = t.model_grad_replaced()
         swapped = self._sentinel(t, g, facts, stats.step)
         stats.extra["zero_grad"] = facts
         stats.extra["zero_grad_missing"] = False
-        stats.extra["grads_cleared_before_step"] = cleared
-        # New baseline; re-pick the representative if it holds no gradient while others do, or if no
-        # backward reached it since the previous check (a rarely used gate or branch): then take the
-        # parameter whose gradient was written most often (highest version), smallest first.
-        unreached = t.accumulations == 0 and t.base_ref is not None and stats.step >= t.repick_after
-        if ctx.grads and (g is None or unreached) and not swapped:
+        stats.extra[CLEARED_BEFORE_STEP] = verdict == CLEARED_BEFORE_STEP
+        self._rebase(ctx, t, seen, swapped)
+
+    def _forget_departed(self, i: int, t: _Tracker) -> None:
+        """The optimizer's parameters changed: unhook a representative (and drop a sentinel) it no longer holds."""
+        if t.rep is None:
+            return
+        op = self.engine.index.per_optimizer[i]
+        if not any(p is t.rep for p in op.params):
+            t.unhook()
+        if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
+            t.sentinel = None
+
+    def _facts(self, i: int, t: _Tracker, seen: GradObservation) -> dict[str, Any]:
+        """The check's hand-over in ``stats.extra["zero_grad"]`` (see the module docstring)."""
+        lightning = self.integration == "lightning"
+        return {
+            "optimizer": i,
+            "param": t.rep_name if t.rep is not None else None,
+            "backward_passes": seen.backward_passes,
+            "kept_passes": seen.kept_passes,
+            "state": seen.state,
+            "previous_step": t.base_step,
+            "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
+            # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
+            "lightning_automatic": lightning and bool(getattr(self.engine.model, "automatic_optimization", True)),
+            "lightning": lightning,
+            "last_backward_grad": seen.last_backward_grad,
+        }
+
+    @staticmethod
+    def _record(ctx: Any, t: _Tracker, seen: GradObservation, verdict: str | None, facts: dict[str, Any]) -> None:
+        """Write the verdict into the step's facts and queue the lazy device reads it needs for the one sync."""
+        if seen.state == PENDING and t.old_nonzero:
+            held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
+            ctx.slots[_SLOT_ZERO] = ctx.batch.add(held)
+        if verdict == CLEARED_BETWEEN_BACKWARDS:
+            ctx.stats.extra[CLEARED_BETWEEN_BACKWARDS] = True
+        elif verdict == CHANGED_AFTER_BACKWARD:
+            facts[CHANGED_AFTER_BACKWARD] = True
+            if t.post_nonzero is not None:
+                ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
+        if facts["last_backward_grad"]:
+            ZeroGradTracker._read_rewritten(ctx, t, facts)
+
+    @staticmethod
+    def _read_rewritten(ctx: Any, t: _Tracker, facts: dict[str, Any]) -> None:
+        """Was the sampled gradient replaced (known now) or rewritten in place (a lazy flag, read after the sync)?"""
+        rewritten = t.rewritten()
+        if rewritten is True:
+            facts["last_backward_grad"] = False
+        elif isinstance(rewritten, torch.Tensor):
+            ctx.slots[_SLOT_REWRITTEN] = ctx.batch.add(rewritten)
+
+    @staticmethod
+    def _rebase(ctx: Any, t: _Tracker, seen: GradObservation, swapped: bool) -> None:
+        """New baseline, after re-picking the representative if :func:`repick_rule` says so."""
+        step = ctx.stats.step
+        unreached = t.accumulations == 0 and t.base_ref is not None and step >= t.repick_after
+        rule = repick_rule(seen.any_grads, seen.has_grad, unreached, swapped)
+        if rule is not None:
             if unreached:  # an O(parameters) scan: at most once every REPICK_EVERY checks
-                t.repick_after = stats.step + REPICK_EVERY
-            candidates = [(p, n) for p, n in zip(ctx.params, stats.names) if p.is_leaf]
+                t.repick_after = step + REPICK_EVERY
+            candidates = [(p, n) for p, n in zip(ctx.params, ctx.stats.names) if p.is_leaf]
             if candidates:
-                if g is None:
+                if rule == SMALLEST:
                     p, n = min(candidates, key=lambda c: c[0].numel())
                 else:
                     p, n = min(candidates, key=lambda c: (-c[0].grad._version, c[0].numel()))
@@ -533,7 +637,7 @@ class ZeroGradTracker:
                     t.hook(p, n)
                     t.pick_sentinel(candidates)
         t.reset()
-        t.base_step = stats.step
+        t.base_step = step
 
     def _sentinel(self, t: _Tracker, g: torch.Tensor | None, facts: dict[str, Any], step: int) -> bool:
         """Compare the sentinel with the representative (O(1); O(parameters) once they disagree). Returns
@@ -591,18 +695,6 @@ class ZeroGradTracker:
         names = tuple(n for p, n in zip(op.params, op.names) if p.grad is not None)
         optimizer = type(op.optimizer).__name__ if op.optimizer is not None else "the optimizer"
         return closure_missing(step, index, optimizer, names, t.rep_name)
-
-    @staticmethod
-    def _state(t: _Tracker, g: torch.Tensor | None) -> str:
-        if t.rep is None or t.base_ref is None:
-            return UNKNOWN
-        if g is None or g is not t.base_ref() or t.cleared:
-            return FRESH
-        if g._version < t.base_version + t.accumulations:
-            return UNKNOWN
-        if t.accumulations == 0:
-            return UNKNOWN  # no backward reached it since the previous step
-        return PENDING if t.old_nonzero else UNKNOWN
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
