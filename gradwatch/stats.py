@@ -11,7 +11,7 @@ import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -71,6 +71,29 @@ class StepStats:
     def is_nonfinite(self) -> bool:
         """True when the update would be non-finite (NaN/Inf gradient or loss)."""
         return bool(self.nonfinite) or self.loss_nonfinite
+
+
+class ZeroGradFacts(TypedDict, total=False):
+    """``stats.extra["zero_grad"]``: what :class:`gradwatch.zero_grad.ZeroGradTracker` saw of one optimizer's
+    gradients since its previous check, for the checks in :mod:`gradwatch.checks.zero_grad` (a plain dict at
+    run time). The tracker writes the first ten keys at every check, the others only when they hold."""
+
+    optimizer: int  # index of the watched optimizer
+    param: str | None  # the representative parameter (None: none picked)
+    backward_passes: int  # backward passes that reached it since the previous check
+    kept_passes: int  # of those, the passes the step's gradient still holds
+    state: str  # "fresh", "accumulated", "pending" (before the sync) or "unknown"
+    previous_step: int | None  # the step of the previous check
+    has_optimizer: bool
+    lightning_automatic: bool  # Lightning's automatic optimization clears the gradients itself
+    lightning: bool
+    last_backward_grad: bool  # the step's gradient is the one the latest backward pass wrote
+    spans_other_step: bool  # it holds passes from before another optimizer's step
+    changed_after_backward: bool  # modified in place after the last backward pass
+    model_grad_replaced: bool  # a model parameter's gradient was set to None or replaced
+    sentinel_cleared: bool  # the second, hook-less parameter's gradient was set to None or replaced
+    kept_params: tuple[str, ...]  # after a partial zero_grad(): the parameters that accumulated
+    cleared_params: tuple[str, ...]  # ... and those that were cleared
 
 
 class SyncBatch:

@@ -60,9 +60,9 @@ moves the losses observed up to that previous pass aside, so they never decide t
 A GradScaler's dropped step (``scaler.update()`` wrote the scale with no optimizer step) ends the backward
 passes counted for the next update, as a step does: they were the dropped step's.
 
-Facts written to ``stats.extra``: ``"zero_grad"`` (a small dict: optimizer, representative parameter,
-backward passes counted, kept passes, state, the step of the previous check, whether Lightning's
-automatic optimization clears the gradients), ``"zero_grad_missing"``,
+Facts written to ``stats.extra``: ``"zero_grad"`` (:class:`gradwatch.stats.ZeroGradFacts`: optimizer,
+representative parameter, backward passes counted, kept passes, state, the step of the previous check,
+whether Lightning's automatic optimization clears the gradients), ``"zero_grad_missing"``,
 ``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
 in ``"zero_grad"`` turns False after the sync when the gradient was rewritten after the last pass.
 The check :mod:`gradwatch.checks.zero_grad` turns them into findings.
@@ -78,6 +78,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from gradwatch.report import internal_warning
+from gradwatch.stats import ZeroGradFacts
 
 #: ``stats.extra["zero_grad"]["state"]`` values.
 FRESH = "fresh"
@@ -577,7 +578,7 @@ class ZeroGradTracker:
         if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
             t.sentinel = None
 
-    def _facts(self, i: int, t: _Tracker, seen: GradObservation) -> dict[str, Any]:
+    def _facts(self, i: int, t: _Tracker, seen: GradObservation) -> ZeroGradFacts:
         """The check's hand-over in ``stats.extra["zero_grad"]`` (see the module docstring)."""
         lightning = self.integration == "lightning"
         return {
@@ -595,7 +596,7 @@ class ZeroGradTracker:
         }
 
     @staticmethod
-    def _record(ctx: Any, t: _Tracker, seen: GradObservation, verdict: str | None, facts: dict[str, Any]) -> None:
+    def _record(ctx: Any, t: _Tracker, seen: GradObservation, verdict: str | None, facts: ZeroGradFacts) -> None:
         """Write the verdict into the step's facts and queue the lazy device reads it needs for the one sync."""
         if seen.state == PENDING and t.old_nonzero:
             held = t.old_nonzero[0] if len(t.old_nonzero) == 1 else torch.stack(t.old_nonzero)
@@ -610,7 +611,7 @@ class ZeroGradTracker:
             ZeroGradTracker._read_rewritten(ctx, t, facts)
 
     @staticmethod
-    def _read_rewritten(ctx: Any, t: _Tracker, facts: dict[str, Any]) -> None:
+    def _read_rewritten(ctx: Any, t: _Tracker, facts: ZeroGradFacts) -> None:
         """Was the sampled gradient replaced (known now) or rewritten in place (a lazy flag, read after the sync)?"""
         rewritten = t.rewritten()
         if rewritten is True:
@@ -639,7 +640,7 @@ class ZeroGradTracker:
         t.reset()
         t.base_step = step
 
-    def _sentinel(self, t: _Tracker, g: torch.Tensor | None, facts: dict[str, Any], step: int) -> bool:
+    def _sentinel(self, t: _Tracker, g: torch.Tensor | None, facts: ZeroGradFacts, step: int) -> bool:
         """Compare the sentinel with the representative (O(1); O(parameters) once they disagree). Returns
         True when the hooks moved to the sentinel."""
         if t.snapshot is not None:

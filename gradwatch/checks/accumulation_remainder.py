@@ -20,7 +20,7 @@ from typing import Any
 from gradwatch.config import Config
 from gradwatch.findings import Finding
 from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.stats import StepStats, ZeroGradFacts
 
 _KEY = "accumulation_remainder"
 _OFF = "off"
@@ -29,7 +29,7 @@ _OFF = "off"
 def _passes(stats: StepStats) -> int | None:
     """The backward passes this update sums, when each came from a forward of its own and nothing cleared
     the gradients in between; None otherwise."""
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     kept = facts.get("kept_passes")
     passes = stats.extra.get("backward_passes")
     if (

@@ -51,7 +51,7 @@ from gradwatch.magnitude import (
     robust_spread,
     weight_summary,
 )
-from gradwatch.stats import StepStats, layer_norms
+from gradwatch.stats import StepStats, ZeroGradFacts, layer_norms
 
 #: Checked steps of history the spike test waits for.
 MIN_HISTORY = 20
@@ -529,7 +529,7 @@ def _accumulation_hint(stats: StepStats) -> str:
     number makes the gradient, and the update, that many times larger. Not in Lightning's automatic
     optimization, which divides the loss by accumulate_grad_batches itself."""
     passes = stats.extra.get("backward_passes")
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     if not (isinstance(passes, tuple) and passes[0] >= 2 and passes[1] == 0) or facts.get("lightning_automatic"):
         return ""
     n = passes[0]

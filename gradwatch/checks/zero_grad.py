@@ -11,7 +11,7 @@ from __future__ import annotations
 from gradwatch.config import Config
 from gradwatch.findings import Finding, names_text
 from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.stats import StepStats, ZeroGradFacts
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -23,7 +23,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         found.append(_cleared(stats))
     if _cleared_in_loop(stats) and _repeated(stats, history) and not history.reported.get(f"{_IN_LOOP}/{i}"):
         found.append(_in_loop(stats))
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     if (
         facts.get("spans_other_step")
         and not stats.extra.get("zero_grad_missing")
@@ -106,7 +106,7 @@ def _cleared_in_loop(stats: StepStats) -> bool:
     passes = stats.extra.get("backward_passes")
     if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] > 0):
         return False
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     inputs = stats.extra.get("step_inputs")
     return (
         facts.get("kept_passes") == 1
@@ -124,7 +124,7 @@ def _cleared_in_loop(stats: StepStats) -> bool:
 
 def _missing(stats: StepStats) -> Finding:
     i = stats.optimizer_index
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names)
     foreign = set(stats.foreign)
@@ -279,7 +279,7 @@ _STEP_WORDS = {
 
 def _cleared(stats: StepStats) -> Finding:
     i = stats.optimizer_index
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     with_optimizer = bool(facts.get("has_optimizer", True))
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
@@ -312,7 +312,7 @@ def _cleared(stats: StepStats) -> Finding:
 def _in_loop(stats: StepStats) -> Finding:
     i = stats.optimizer_index
     n, clears = int(stats.extra["backward_passes"][0]), int(stats.extra["backward_passes"][1])
-    facts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     previous = facts.get("previous_step")
     since = f"; the same happened at step {previous}" if isinstance(previous, int) else ""
     if facts.get("lightning_automatic"):
