@@ -2330,9 +2330,9 @@ def _source_lines(facts: OriginFacts) -> str:
 
 
 def _op_label(facts: OriginFacts) -> str:
-    """``"op SubBackward0 (torch.sub)"``: the node, and the forward function when it has another name."""
+    """``"SubBackward0 (torch.sub)"``: the node, and the forward function when it has another name."""
     differs = facts.forward_op and facts.forward_op != facts.op
-    return f"op {facts.op}" + (f" ({facts.forward_op})" if differs else "")
+    return f"{facts.op}" + (f" ({facts.forward_op})" if differs else "")
 
 
 def _where_in(facts: OriginFacts) -> str:
@@ -2353,7 +2353,7 @@ def _loss_phase_what(facts: OriginFacts) -> str:
     where = facts.module if facts.module is not None else "the loss code"
     return (
         f"Born in the loss computation of step {facts.step}, outside the model (its forward pass was finite): "
-        f"{_op_label(facts)} in {where}{_source_lines(facts)}\n{how_born}{fwd}"
+        f"op {_op_label(facts)} in {where}{_source_lines(facts)}\n{how_born}{fwd}"
     )
 
 
@@ -2378,7 +2378,7 @@ def _first_module_note(facts: OriginFacts) -> str:
 
 def _forward_what(facts: OriginFacts) -> str:
     return (
-        f"Born in the forward pass of step {facts.step}: {_op_label(facts)} {_where_in(facts)}"
+        f"Born in the forward pass of step {facts.step}: op {_op_label(facts)} {_where_in(facts)}"
         f"{_source_lines(facts)}\n{_forward_inputs(facts)}; its output holds {_produced(facts)}."
         + _first_module_note(facts)
     )
@@ -2395,7 +2395,7 @@ def _backward_what(facts: OriginFacts) -> str:
             f"the first op to go non-finite was {site}"
         )
     else:
-        what = f"Born in the backward pass of step {facts.step} (the forward pass was finite): {site}"
+        what = f"Born in the backward pass of step {facts.step} (the forward pass was finite): op {site}"
     what += f"It received {received} and produced {_produced(facts)}.{fwd}"
     if facts.surrogate and facts.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"

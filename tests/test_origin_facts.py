@@ -57,3 +57,10 @@ def test_softmax_inputs_range_tells_a_plus_inf_logit_from_a_masked_row() -> None
     plus_inf = dataclasses.replace(softmax, incoming={"inf": True, "min": 0.0, "max": math.inf})
     assert origin_fix(masked_row).startswith("a fully masked row")
     assert origin_fix(plus_inf).startswith("a logit of +inf")
+
+
+def test_a_loss_that_went_first_names_the_first_backward_op_without_the_word_op() -> None:
+    first = dataclasses.replace(SQRT_BACKWARD, loss_before_model=True)
+    message = origin_message(first)
+    assert "In the backward pass the first op to go non-finite was SqrtBackward0 (torch.sqrt) in module " in message
+    assert "\nFix: the model's output (and so its inputs or weights) reached values the loss cannot hold" in message
