@@ -16,17 +16,20 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from gradwatch import checks as _checks
+from gradwatch.amp import AmpMonitor
 from gradwatch.checks.exploding import APPLIED, after_explosion
 from gradwatch.config import Config
+from gradwatch.escalation import Escalation
 from gradwatch.findings import Finding, GradWatchError
 from gradwatch.history import History
 from gradwatch.params import ParamIndex
+from gradwatch.preclip import BackwardNorms
 from gradwatch.report import Reporters, internal_warning, safe_warn
 from gradwatch.report.console import ConsoleReporter
 from gradwatch.report.jsonl import JsonlReporter, new_run_id
@@ -44,6 +47,8 @@ from gradwatch.stats import (
     queue_all_norms as _queue_all_norms,
 )
 from gradwatch.summary import RunSummary
+
+_E = TypeVar("_E")
 
 Decision = Literal["ok", "skip"]
 
@@ -246,7 +251,8 @@ class Engine:
                         pass
         return ext
 
-    def extension(self, cls: type) -> Any:
+    def extension(self, cls: type[_E]) -> _E | None:
+        """The attached extension of type ``cls`` (or a subclass), or None: extensions find each other here."""
         return next((e for e in self.extensions if isinstance(e, cls)), None)
 
     # -- parameter-set changes ---------------------------------------------------------------------
@@ -289,7 +295,7 @@ class Engine:
         if self._forward_scans >= 2:
             return []
         self._forward_scans += 1
-        esc = next((e for e in self.extensions if hasattr(e, "unowned_params")), None)
+        esc = self.extension(Escalation)
         if esc is None:
             return []
         known = {id(p) for _, p in self.index.model_params} | self.index._held
@@ -309,7 +315,7 @@ class Engine:
         by_name = dict(zip(op.names, op.params))
         ask = [by_name[n] for n in none if n in by_name and id(by_name[n]) not in known]
         if ask:
-            esc = next((e for e in self.extensions if hasattr(e, "graph_leaves")), None)
+            esc = self.extension(Escalation)
             leaves = esc.graph_leaves(reached=True) if esc is not None else None
             if leaves is None:
                 return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
@@ -496,7 +502,7 @@ class Engine:
         self._backwards_since_check = 0
         self._cleared_backwards = 0
         batch = SyncBatch()
-        source = next((e for e in self.extensions if hasattr(e, "backward_norms")), None)
+        source = self.extension(BackwardNorms)
         # Plain loops: the norms backward produced, before the loop clipped them (see gradwatch.preclip).
         norm_slots = source.backward_norms(opt_index, batch, grads, full) if source is not None else None
         if norm_slots is None and full:
@@ -892,14 +898,14 @@ class Engine:
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)
-            esc = next((e for e in self.extensions if hasattr(e, "explain_no_graph")), None)
+            esc = self.extension(Escalation)
             if finding is not None and finding.kind == "no_grad_graph" and esc is not None:
                 finding = esc.explain_no_graph(finding)  # a reentrant checkpoint cut the graph, not frozen layers
             if finding is not None and finding.data.get("loss_nonfinite"):
                 found = self._forward_born(exc, s, finding)
             else:
                 found = [finding] if finding is not None else self._unchecked_nonfinite(exc, s)
-            esc = next((e for e in self.extensions if hasattr(e, "forward_error")), None)
+            esc = self.extension(Escalation)
             if not found and esc is not None:
                 # Raised before any backward (a loss that refuses a NaN input): NaN/Inf data named anyway.
                 found = [f for f in [esc.forward_error(exc, s)] if f is not None]
@@ -925,7 +931,7 @@ class Engine:
             return []
         observed = bool(self._losses)
         self.drop_losses()
-        amp = next((e for e in self.extensions if hasattr(e, "raised_on_overflow")), None)
+        amp = self.extension(AmpMonitor)
         if amp is not None and bad_loss is None:
             # A GradScaler's overflow (Inf of the scaled backward) is no NaN incident: say so, and how to clip.
             overflow = amp.raised_on_overflow(exc, step, bad, counts, total, observed)
