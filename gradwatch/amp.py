@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -615,18 +616,7 @@ def _scaler_on_traceback(exc: BaseException, optimizers: list[Any], depth: int =
     code (the loop's ``scaler``, local or global), or the ``scaler`` of a frame's ``self`` or of its
     precision plugin (Fabric, its strategy, Lightning's plugin). One that unscaled a watched optimizer
     first."""
-    found: list[Any] = []
-    for frame, _line in traceback_entries(exc, depth):
-        values = list(frame.f_locals.values())
-        if not library_frame(frame):
-            values += list(frame.f_globals.values())  # a script's module-level scaler, used in a function
-        owner = frame.f_locals.get("self")
-        try:
-            for holder in (owner, getattr(owner, "precision", None), getattr(owner, "_precision", None)):
-                values.append(getattr(holder, "scaler", None))
-        except Exception:  # noqa: BLE001, S110 - a property that fails: no scaler there
-            pass
-        found += [v for v in values if _is_scaler(v) and all(v is not s for s in found)]
+    found = _scalers_held(frame for frame, _line in traceback_entries(exc, depth))
     ids = {id(o) for o in optimizers}
     return next((s for s in found if ids & set(s._per_optimizer_states)), found[0] if found else None)
 
@@ -642,16 +632,36 @@ def _on_traceback(exc: BaseException, function: str, package: str) -> bool:
 def _scaler_in_callers(depth: int) -> Any:
     """The one GradScaler that scaled a loss held by a local or global variable of the calling frames (at
     close: the training loop's ``scaler``), or None."""
-    found: list[Any] = []
-    frame: Any = sys._getframe(1)
+    found = [s for s in _scalers_held(_callers(sys._getframe(1), depth)) if getattr(s, "_scale", None) is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def _callers(frame: Any, depth: int) -> Iterator[Any]:
+    """``frame`` and up to ``depth - 1`` of its callers."""
     for _ in range(depth):
         if frame is None:
-            break
-        for v in (*frame.f_locals.values(), *frame.f_globals.values()):
-            if _is_scaler(v) and getattr(v, "_scale", None) is not None and all(v is not f for f in found):
-                found.append(v)
+            return
+        yield frame
         frame = frame.f_back
-    return found[0] if len(found) == 1 else None
+
+
+def _scalers_held(frames: Iterable[Any]) -> list[Any]:
+    """The GradScalers these frames hold, each once: a variable of the user's code (local, or a script's
+    module-level one used in a function), or the ``scaler`` of a frame's ``self`` or of its precision plugin
+    (Fabric, its strategy, Lightning's plugin)."""
+    found: list[Any] = []
+    for frame in frames:
+        values = list(frame.f_locals.values())
+        if not library_frame(frame):
+            values += list(frame.f_globals.values())
+        owner = frame.f_locals.get("self")
+        try:
+            for holder in (owner, getattr(owner, "precision", None), getattr(owner, "_precision", None)):
+                values.append(getattr(holder, "scaler", None))
+        except Exception:  # noqa: BLE001, S110 - a property that fails: no scaler there
+            pass
+        found += [v for v in values if _is_scaler(v) and all(v is not s for s in found)]
+    return found
 
 
 def _scaler_in_stack(depth: int = 32) -> Any:
