@@ -228,7 +228,7 @@ def _gradwatch(wl: Workload, name: str, tmp: str, **config: Any) -> Variant:
 def _escalated(wl: Workload, name: str, tmp: str) -> Variant | str:
     """gradwatch with its escalation window held open (reference only: escalation follows an incident)."""
     try:
-        from gradwatch.escalation import Escalation
+        from gradwatch.diagnose.escalation import Escalation
     except ImportError:
         return "escalation is not available in this version of gradwatch"
     v = _gradwatch(wl, name, tmp)

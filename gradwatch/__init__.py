@@ -11,18 +11,19 @@ Example:
     >>> #     ... your training loop ...
 """
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, GradWatchError
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Explanation, Finding, GradWatchError
+from gradwatch.core.kinds import KINDS, Kind
 from gradwatch.gradcheck import GradcheckResult, gradcheck
-from gradwatch.kinds import KINDS, Kind
 from gradwatch.report import GradWatchInternalWarning
-from gradwatch.summary import RunSummary
+from gradwatch.report.summary import RunSummary
 from gradwatch.version import __version__
 from gradwatch.watch import Watcher, watch
 
 __all__ = [
     "KINDS",
     "Config",
+    "Explanation",
     "Finding",
     "GradWatchError",
     "GradWatchInternalWarning",

@@ -6,7 +6,7 @@ skipped updates, findings by kind with first and last step, per-layer gradient-n
 sparkline of the total gradient norm and the incidents. ``--json`` prints the same as JSON.
 
 Several runs may have written to one directory (a re-run script, a fit resumed from a checkpoint): every
-figure of a report comes from one run (see :mod:`gradwatch.runs`). By default the latest run is
+figure of a report comes from one run (see :mod:`gradwatch.report.runs`). By default the latest run is
 reported and the others are listed; ``--run N`` reports the N-th (1 = the first, -1 = the latest),
 ``--all`` every one.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from gradwatch.report.jsonl import FILENAME as JSONL_NAME
 from gradwatch.report.jsonl import read_jsonl
-from gradwatch.runs import Run, assign_files, split_runs
+from gradwatch.report.runs import Run, assign_files, split_runs
 
 PREFIX = "gradwatch/"
 SPARK = "▁▂▃▄▅▆▇█"

@@ -28,9 +28,9 @@ from torch import nn
 from torch.autograd.function import Function
 from torch.utils._pytree import tree_map
 
-from gradwatch.findings import Finding, _panel
-from gradwatch.localize import ROOT, code_at, source_text
-from gradwatch.tracing import library_frame
+from gradwatch.core.findings import Finding, _panel
+from gradwatch.diagnose.localize import ROOT, code_at, source_text
+from gradwatch.observe.tracing import library_frame
 
 KIND = "bad_backward"
 #: Positions of each input where the numerical gradient is taken (all of a smaller input); each costs two
@@ -241,7 +241,7 @@ def _eager(model: nn.Module) -> nn.Module:
 
 def _capture(model: nn.Module, batches: list[tuple[Any, Any, Any]], loss_fn: Any) -> list[FunctionCall]:
     """Run the forward (and ``loss_fn``) on each batch; return the first call of each custom Function site."""
-    from gradwatch.escalation import _checkpoint_not_reentrant, _preserved, _replay_input, _set_rng_state
+    from gradwatch.diagnose.escalation import _checkpoint_not_reentrant, _preserved, _replay_input, _set_rng_state
 
     found: dict[tuple[Any, ...], FunctionCall] = {}
     with _preserved(model), _checkpoint_not_reentrant(), _module_stack(model) as stack, _recording(

@@ -1,4 +1,4 @@
-"""The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.engine.Engine`.
+"""The Lightning way in: ``GradWatchCallback``, a thin shell over the shared :class:`~gradwatch.core.engine.Engine`.
 
 Works in ``lightning.pytorch.Trainer`` and in ``pytorch_lightning.Trainer``: a callback is a ``Callback`` of
 every Lightning namespace the program has imported by the time the callback is built (the two are distinct
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from gradwatch.config import Config, OnNonfinite, make_config
-from gradwatch.engine import Engine, failed_trial_loss
-from gradwatch.extensions import default_extensions
-from gradwatch.findings import Finding
+from gradwatch.core.config import Config, OnNonfinite, make_config
+from gradwatch.core.engine import Engine, failed_trial_loss
+from gradwatch.core.extensions import default_extensions
+from gradwatch.core.findings import Finding
 from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping

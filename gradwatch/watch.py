@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradwatch.config import make_config
-from gradwatch.distributed import is_rank_zero
-from gradwatch.engine import Engine, _weak_method, failed_trial_loss
-from gradwatch.extensions import default_extensions
-from gradwatch.findings import Finding, names_text
-from gradwatch.open_watchers import open_watchers, register
+from gradwatch.core.config import make_config
+from gradwatch.core.engine import Engine, _weak_method, failed_trial_loss
+from gradwatch.core.extensions import default_extensions
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.open_watchers import open_watchers, register
+from gradwatch.observe.distributed import is_rank_zero
 from gradwatch.report import internal_warning
-from gradwatch.summary import RunSummary
+from gradwatch.report.summary import RunSummary
 
 if TYPE_CHECKING:
     from gradwatch.gradcheck import GradcheckResult
@@ -178,7 +178,7 @@ class Watcher:
             A :class:`gradwatch.GradcheckResult`; its ``bad_backward`` findings are not added to
             :attr:`findings`.
         """
-        from gradwatch.escalation import Escalation
+        from gradwatch.diagnose.escalation import Escalation
         from gradwatch.gradcheck import MAX_STEP_CALLS, check_model
 
         esc = self.engine.extension(Escalation)

@@ -182,9 +182,9 @@ def rank0_only(rank: int) -> dict[str, Any]:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradwatch.distributed
+    import gradwatch.observe.distributed
 
-    gradwatch.distributed.PEER_WAIT = 1.0
+    gradwatch.observe.distributed.PEER_WAIT = 1.0
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -214,9 +214,9 @@ def probe_on_rank0(rank: int) -> dict[str, Any]:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradwatch.distributed
+    import gradwatch.observe.distributed
 
-    gradwatch.distributed.PEER_WAIT = 1.0
+    gradwatch.observe.distributed.PEER_WAIT = 1.0
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -255,9 +255,9 @@ def late_watcher(rank: int) -> dict[str, Any]:
     import time
     import warnings
 
-    import gradwatch.distributed
+    import gradwatch.observe.distributed
 
-    gradwatch.distributed.PEER_WAIT = 1.0
+    gradwatch.observe.distributed.PEER_WAIT = 1.0
     torch.manual_seed(rank)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -621,7 +621,7 @@ def pipeline(rank: int) -> dict[str, Any]:
     loss, and sends the activation's gradient back. Each rank watches its own stage."""
     import warnings
 
-    import gradwatch.distributed as gd
+    import gradwatch.observe.distributed as gd
 
     torch.manual_seed(rank)
     stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh()) if rank == 0 else nn.Linear(8, 1)

@@ -452,7 +452,7 @@ def test_scaler_created_mid_run_is_found_by_a_later_check() -> None:
     """The plain loop's GradScaler is looked for on the first checks and then every SCAN_EVERY-th one
     (a stack walk per step costs ~20 us): one created at step 40 is found, and its overflow steps are
     no incident."""
-    from gradwatch.amp import SCAN_EVERY, AmpMonitor
+    from gradwatch.observe.amp import SCAN_EVERY, AmpMonitor
 
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

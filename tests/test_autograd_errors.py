@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 import gradwatch
-from gradwatch.tracing import ForwardTracer
+from gradwatch.observe.tracing import ForwardTracer
 
 
 class Block(nn.Module):

@@ -20,7 +20,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch import GradWatchInternalWarning
-from gradwatch.config import keywords
+from gradwatch.core.config import keywords
 
 # -- configuration -----------------------------------------------------------------------------------
 

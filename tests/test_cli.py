@@ -266,7 +266,7 @@ def test_the_where_of_nan_origin_names_the_op_and_the_line(tmp_path) -> None:
 
 
 def test_records_of_an_older_version_without_run_start_still_split_by_run_id() -> None:
-    from gradwatch.runs import split_runs
+    from gradwatch.report.runs import split_runs
 
     old = [
         {"kind": "nonfinite_loss", "step": 3, "run": "20261201T100000-7-0"},

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.dashboard import CATEGORY, CHARTS, ChartSeries, read_layout
+from gradwatch.report.dashboard import CATEGORY, CHARTS, ChartSeries, read_layout
 
 
 @pytest.fixture(autouse=True)
@@ -342,7 +342,7 @@ def test_dashboard_shows_what_each_chart_should_in_headless_chromium(tmp_path) -
 
 def test_the_last_layout_is_found_when_writer_numbers_cross_a_digit(tmp_path) -> None:
     # Event files of one process in one second differ by a writer counter: writer 10 was created after 9.
-    from gradwatch.dashboard import _event_file_order
+    from gradwatch.report.dashboard import _event_file_order
 
     names = [f"events.out.tfevents.1700000000.host.42.{n}" for n in (9, 10, 2)]
     ordered = sorted((str(tmp_path / n) for n in names), key=_event_file_order)

@@ -17,7 +17,7 @@ from conftest import panels
 from torch import nn
 
 import gradwatch
-from gradwatch.escalation import MAX_GRADS, Escalation
+from gradwatch.diagnose.escalation import MAX_GRADS, Escalation
 
 BAD_STEP = 2
 

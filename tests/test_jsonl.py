@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch import nn
 
@@ -131,3 +132,28 @@ def test_new_run_after_a_torn_line_starts_on_a_fresh_line(tmp_path) -> None:
     assert records[0] == {"kind": "nonfinite_loss", "step": 0}
     assert records[1]["event"] == "run_start"
     assert [gradwatch.Finding.from_dict(r) for r in records[2:]] == gw.findings
+
+
+def test_an_explained_finding_carries_its_parts_in_json_and_reads_back() -> None:
+    from gradwatch import Explanation, Finding
+
+    f = Finding(kind="none_grad", step=3, severity="warning",
+                explanation=Explanation("No gradient for head.bias.", why="it never learns.", fix="use it."))
+    assert f.message == "No gradient for head.bias.\nWhy it matters: it never learns.\nFix: use it."
+    d = f.to_dict()
+    assert d["explanation"] == {"what": "No gradient for head.bias.", "why": "it never learns.", "cause": "",
+                                "fix": "use it."}
+    back = Finding.from_dict(d)
+    assert back == f and back.fix == "use it." and back.message == f.message
+    assert Finding(kind="k", step=0, severity="info", message="plain").fix == ""
+
+
+def test_a_changed_message_on_an_explained_finding_is_refused() -> None:
+    import dataclasses
+
+    from gradwatch import Explanation, Finding
+
+    f = Finding(kind="k", step=1, severity="info", explanation=Explanation("a", fix="b"))
+    with pytest.raises(ValueError, match="explanation or a message"):
+        dataclasses.replace(f, message="other words")
+    assert dataclasses.replace(f, explanation=Explanation("c")).message == "c"

@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from gradwatch.kinds import BY_NAME, KINDS
+from gradwatch.core.kinds import BY_NAME, KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "gradwatch"

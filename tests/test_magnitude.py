@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradwatch
-import gradwatch.magnitude as magnitude_ext
+import gradwatch.observe.magnitude as magnitude_ext
 from gradwatch.checks.exploding import SETTLE
 from gradwatch.checks.loss_diverging import DEAD
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gradwatch.escalation import OriginFacts, fix_for, origin_fix, origin_message
+from gradwatch.diagnose.escalation import OriginFacts, fix_for, origin_fix, origin_message
 
 SQRT_BACKWARD = OriginFacts(
     step=7,

@@ -153,14 +153,14 @@ def test_counter_sees_a_sync_on_this_steps_values() -> None:
         counter.next_step()
         t = torch.ones(3) * 2
         assert counter.per_step[-1] == []
-        gradwatch.stats.SyncBatch().add(t)  # queuing is not a sync
+        gradwatch.core.stats.SyncBatch().add(t)  # queuing is not a sync
         values = _resolve_now(t)
     assert values == [[2.0, 2.0, 2.0]]
     assert counter.per_step[-1] == ["tolist"]
 
 
 def _resolve_now(t: torch.Tensor) -> list[list[float]]:
-    batch = gradwatch.stats.SyncBatch()
+    batch = gradwatch.core.stats.SyncBatch()
     batch.add(t)
     return batch.resolve()
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from torch import nn
 
 import gradwatch
-from gradwatch.zero_grad import ZeroGradTracker
+from gradwatch.observe.zero_grad import ZeroGradTracker
 
 
 class Net(nn.Module):

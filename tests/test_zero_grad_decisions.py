@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gradwatch.zero_grad import (
+from gradwatch.observe.zero_grad import (
     CHANGED_AFTER_BACKWARD,
     CLEARED_BEFORE_STEP,
     CLEARED_BETWEEN_BACKWARDS,

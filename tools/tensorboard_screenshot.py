@@ -319,7 +319,7 @@ def load_page(log_dir: str, out: str, chromium: str, timeout: float = 120.0) -> 
 
 def wait_for_charts(tools: DevTools, timeout: float) -> dict[str, Any]:
     """Probe until every chart is on the page with all its series loaded, twice the same (drawn, settled)."""
-    from gradwatch.dashboard import CHARTS
+    from gradwatch.report.dashboard import CHARTS
 
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -339,7 +339,7 @@ def wait_for_charts(tools: DevTools, timeout: float) -> dict[str, Any]:
 
 def _tag_problems(title: str, card: dict[str, Any]) -> list[str]:
     """Each series is matched by this chart's regexes (re.match, as TensorBoard) and by no other chart's."""
-    from gradwatch.dashboard import CHARTS
+    from gradwatch.report.dashboard import CHARTS
 
     problems = []
     for s in card["series"].values():
@@ -398,7 +398,7 @@ def _run_problems(title: str, card: dict[str, Any], run: str, facts: RunFacts, a
 def chart_problems(page: dict[str, Any], runs: dict[str, RunFacts]) -> list[str]:
     """Does each chart answer its question at TensorBoard's default settings? ``runs``: run name (as
     TensorBoard names it, ``.`` for the log directory itself) -> its facts."""
-    from gradwatch.dashboard import CHARTS
+    from gradwatch.report.dashboard import CHARTS
 
     cards = {c["title"]: c for c in page["cards"]}
     problems = [f"chart {t!r} is not on the page" for t in CHARTS if t not in cards]

@@ -14,10 +14,10 @@ import pkgutil
 from collections.abc import Callable
 from typing import Protocol
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 
 class Check(Protocol):

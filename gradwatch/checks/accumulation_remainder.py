@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats, ZeroGradFacts
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 _KEY = "accumulation_remainder"
 _OFF = "off"

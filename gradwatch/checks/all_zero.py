@@ -14,11 +14,11 @@ Reported when it starts, and again after it recovered.
 
 from __future__ import annotations
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.magnitude import newly_sustained
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
+from gradwatch.observe.magnitude import newly_sustained
 
 #: Checked steps in a row with every gradient exactly 0.
 DEAD = 5

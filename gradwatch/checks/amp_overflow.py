@@ -1,6 +1,6 @@
 """``amp_overflow`` and ``amp_overflow_persistent``: a gradient scaler dropped updates (fp16 AMP).
 
-Reads ``stats.extra["amp"]``, filled by :class:`gradwatch.amp.AmpMonitor`. An overflow step is the
+Reads ``stats.extra["amp"]``, filled by :class:`gradwatch.observe.amp.AmpMonitor`. An overflow step is the
 scaler working as designed (info); an overflow that persists is worth a warning, and so is a streak of
 :data:`MANY` or more dropped updates that leaves :data:`MOST` of the run's steps so far dropped (reported when
 it ends, or at close when the run ends inside it).
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:

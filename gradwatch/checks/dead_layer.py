@@ -12,10 +12,10 @@ import math
 import weakref
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.stats import StepStats, layer_key, layer_norms
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats, layer_key, layer_norms
 
 _KEY = "dead_layer"
 _VERSIONS = "dead_layer/grad_versions"

@@ -1,6 +1,6 @@
 """``lr_too_high``: one of the first updates moved the whole model by many times its own weights.
 
-:mod:`gradwatch.magnitude` measures the whole model's update-to-weight ratio
+:mod:`gradwatch.observe.magnitude` measures the whole model's update-to-weight ratio
 ``||weights after - weights before|| / ||weights before||`` on each of the first ``EARLY_UPDATES`` checked
 steps. Around 1e-3 is usual, and even the large early updates of a healthy run (no warm-up, Adam at 1e-2,
 SGD with momentum at 0.1) stay well below 1. An update :data:`RATIO` times the size of the weights (judged
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from gradwatch.checks.exploding import _init_scale as init_scale
 from gradwatch.checks.exploding import huge_lr
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
+from gradwatch.observe.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 
 #: A whole-model update this many times the weights' norm (or a default init's, if larger), in one step, with
 #: a learning rate outside the usual range (``exploding.huge_lr``); RATIO_ALONE times whatever the rate.

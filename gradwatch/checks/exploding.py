@@ -34,10 +34,11 @@ import weakref
 from collections import deque
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.magnitude import (
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats, ZeroGradFacts, layer_norms
+from gradwatch.observe.magnitude import (
     EARLY_NORM,
     WANT_PARAM_NORMS,
     clip_advice,
@@ -51,7 +52,6 @@ from gradwatch.magnitude import (
     robust_spread,
     weight_summary,
 )
-from gradwatch.stats import StepStats, ZeroGradFacts, layer_norms
 
 #: Checked steps of history the spike test waits for.
 MIN_HISTORY = 20
@@ -62,7 +62,7 @@ REARM = 10
 
 _KEY = "exploding"
 #: The median total norm of the run's first ``MIN_HISTORY`` checked steps. In a converged run (see
-#: :func:`gradwatch.magnitude.converged`; full-batch Adam oscillates around the minimum) a "spike" must
+#: :func:`gradwatch.observe.magnitude.converged`; full-batch Adam oscillates around the minimum) a "spike" must
 #: also exceed that early level: a jump back towards it is the oscillation, not an explosion.
 _EARLY = EARLY_NORM
 #: The largest spike (log excess over the median) reported so far, per optimizer.

@@ -12,11 +12,11 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.magnitude import once_per_check
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
+from gradwatch.observe.magnitude import once_per_check
 
 _KEY = "frozen_param_updated"
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -32,11 +32,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.magnitude import median
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
+from gradwatch.observe.magnitude import median
 
 START = 5
 FAST = 3

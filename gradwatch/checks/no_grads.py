@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gradwatch.checks.not_in_optimizer import built_for_another_model
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 _EMPTY: frozenset[str] = frozenset()
 
@@ -151,7 +151,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
     cut = {m: names for m, names in cut.items() if names}
     if cut:
-        from gradwatch.escalation import reentrant_cause
+        from gradwatch.diagnose.escalation import reentrant_cause
 
         cause = "Likely cause here: " + reentrant_cause(cut) + "\n"
     return [

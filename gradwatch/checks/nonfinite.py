@@ -6,10 +6,10 @@ import dataclasses
 import math
 
 from gradwatch.checks.exploding import after_explosion
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 _ACTION = {
     "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged.",

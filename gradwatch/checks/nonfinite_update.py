@@ -1,15 +1,15 @@
 """``nonfinite_update``: finite gradients, but the optimizer's update would be NaN/Inf (float16 state).
 
-Reads ``stats.extra["update_nonfinite"]`` from :class:`gradwatch.half_update.HalfUpdateGuard`. Reported
+Reads ``stats.extra["update_nonfinite"]`` from :class:`gradwatch.observe.half_update.HalfUpdateGuard`. Reported
 once per optimizer; every such step is skipped under ``on_nonfinite="skip"`` (the engine's policy).
 """
 
 from __future__ import annotations
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:

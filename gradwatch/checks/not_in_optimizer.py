@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:

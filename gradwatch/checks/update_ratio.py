@@ -1,6 +1,6 @@
 """``update_ratio``: a layer whose measured update-to-weight ratio stays far outside the usual band.
 
-The ratio ``||p_after - p_before|| / ||p_before||`` is measured by :mod:`gradwatch.magnitude` every
+The ratio ``||p_after - p_before|| / ||p_before||`` is measured by :mod:`gradwatch.observe.magnitude` every
 ``update_ratio_every`` checked steps, from the update the optimizer actually applied (so it is right for
 Adam, momentum and weight decay). Around 1e-3 is usual. A layer whose ratio stays above the band's high
 end (default 0.1) for :data:`PATIENCE` measurements in a row is changing too fast to learn; below the low
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.magnitude import converged, newly_sustained
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
+from gradwatch.observe.magnitude import converged, newly_sustained
 
 #: Measurements in a row a ratio must stay outside the band.
 PATIENCE = 5

@@ -4,7 +4,7 @@ A layer's *relative gradient* is ``||grad|| / ||weights||``: how fast gradient d
 is vanishing when its relative gradient stays below ``vanishing_ratio`` times the typical layer's (the
 75th percentile over layers) for ``window`` checked steps in a row. Comparing with the other layers
 makes the test independent of the loss scale and the learning rate; requiring it to persist keeps single
-quiet batches out. Parameter norms come from :mod:`gradwatch.magnitude` (every ``update_ratio_every``
+quiet batches out. Parameter norms come from :mod:`gradwatch.observe.magnitude` (every ``update_ratio_every``
 checked steps; weights change slowly in between). Layers with exactly zero gradients are left to
 ``dead_layer``; lookup tables (``nn.Embedding``) are not compared (a batch reaches only its rows), nor
 are layers of vectors only (a bias or a scale of its own): a bias feeding a BatchNorm gets a gradient of
@@ -19,17 +19,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.magnitude import (
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats, layer_norms
+from gradwatch.observe.magnitude import (
     once_per_check,
     param_norms_of,
     quantile,
     remember_param_norms,
     weight_summary,
 )
-from gradwatch.stats import StepStats, layer_norms
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
 MIN_LAYERS = 3

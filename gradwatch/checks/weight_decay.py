@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding
-from gradwatch.history import History
-from gradwatch.stats import StepStats
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats
 
 _KEY = "weight_decay_too_large/{}"
 #: ``{optimizer index: every group's (lr, weight_decay)}`` at the last look.

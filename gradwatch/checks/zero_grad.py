@@ -1,17 +1,17 @@
 """``zero_grad_missing``, ``grads_cleared_before_step`` and ``zero_grad_in_accumulation``: gradients not
 cleared, cleared too early, or cleared inside an accumulation loop.
 
-Reads the facts :class:`gradwatch.zero_grad.ZeroGradTracker` (and the engine's count of backward passes)
+Reads the facts :class:`gradwatch.observe.zero_grad.ZeroGradTracker` (and the engine's count of backward passes)
 put into ``stats.extra``. Each kind is reported once per optimizer (the first step it happens); a
 persisting bug is not repeated every step.
 """
 
 from __future__ import annotations
 
-from gradwatch.config import Config
-from gradwatch.findings import Finding, names_text
-from gradwatch.history import History
-from gradwatch.stats import StepStats, ZeroGradFacts
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.history import History
+from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:

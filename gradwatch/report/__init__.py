@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from gradwatch.findings import Finding
+from gradwatch.core.findings import Finding
 
 
 class GradWatchInternalWarning(RuntimeWarning):

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from gradwatch.findings import INCIDENT_KINDS, Finding, display_order, incident_panel
+from gradwatch.core.findings import INCIDENT_KINDS, Finding, display_order, incident_panel
 from gradwatch.report import host_rng_kept
 
 

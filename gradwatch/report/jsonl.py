@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from gradwatch.findings import Finding
+from gradwatch.core.findings import Finding
 from gradwatch.report import dir_identity, fs, recreate_log_dir
 
 FILENAME = "gradwatch.jsonl"

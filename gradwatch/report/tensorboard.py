@@ -5,7 +5,7 @@ the training thread only appends a tuple of floats to a list, handed to that thr
 ``HANDOFF_STEPS`` steps (and at every flush and at close). Non-finite values are left out of the
 scalars (they would break charts); the number of non-finite gradients is logged instead. The dashboard's
 own series (incident markers, running totals drawn as steps, one-line-per-run summaries of the per-layer
-scalars) are derived on that thread too (:class:`gradwatch.dashboard.ChartSeries`).
+scalars) are derived on that thread too (:class:`gradwatch.report.dashboard.ChartSeries`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gradwatch.dashboard import ChartSeries
-from gradwatch.findings import Finding
+from gradwatch.core.findings import Finding
 from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
+from gradwatch.report.dashboard import ChartSeries
 
 _STOP = object()
 #: Steps of scalars handed to the writer thread at once: one wake-up (and GIL hand-over) per batch.

@@ -36,12 +36,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gradwatch.module_hooks import owned
-from gradwatch.params import _module_wrappers, user_path
+from gradwatch.core.params import _module_wrappers, user_path
+from gradwatch.observe.module_hooks import owned
 
 ROOT = "<root>"
 
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
 _SKIP_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _OWN_DIR)
 _OPTIONAL_SKIP = ("lightning", "pytorch_lightning", "lightning_fabric")
 
@@ -325,7 +325,7 @@ class Localizer:
         #: Replaying a captured call from inside gradwatch: a frame of gradwatch's own ends the search for the
         #: user's line (past it is the training loop's ``opt.step()``, not the code that ran the op).
         self.replay = False
-        self._own = os.path.dirname(os.path.abspath(__file__)) + os.sep
+        self._own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
         self.reset()
 
     # -- recording state ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from gradwatch.findings import Finding, _jsonable, display_order
+from gradwatch.core.findings import Finding, _jsonable, display_order
 from gradwatch.report import fs
 
 

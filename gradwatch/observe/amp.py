@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from gradwatch.findings import Finding, names_text
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.stats import StepStats, layer_norms, total_norm
+from gradwatch.observe.tracing import library_frame, traceback_entries
 from gradwatch.report import internal_warning
-from gradwatch.stats import StepStats, layer_norms, total_norm
-from gradwatch.tracing import library_frame, traceback_entries
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
 PERSISTENT_STEPS = 8

@@ -3,7 +3,7 @@
 Autograd errors name an op ("output 0 of Sigmoid") but not the module that ran it. The
 :class:`ForwardTracer` records, for every op output that carries a ``grad_fn``, the innermost watched
 module that was running, the op, the shape, the tensor's version, and the source line; and for every
-in-place op, which tensor it changed and where. :mod:`gradwatch.autograd_errors` looks the failing node
+in-place op, which tensor it changed and where. :mod:`gradwatch.diagnose.autograd_errors` looks the failing node
 up in these records.
 
 Tracing runs only on the first watched step and while the engine is escalated. On other steps the cost
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradwatch.module_hooks import owned
-from gradwatch.params import user_module
+from gradwatch.core.params import user_module
+from gradwatch.observe.module_hooks import owned
 from gradwatch.report import internal_warning
 
 #: Direct children hooked at most (beyond this only the root is hooked).
@@ -38,7 +38,7 @@ MAX_CHILDREN = 32
 MAX_FIRST_FORWARDS = 16
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root
 
 
 @dataclass

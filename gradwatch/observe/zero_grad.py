@@ -60,7 +60,7 @@ moves the losses observed up to that previous pass aside, so they never decide t
 A GradScaler's dropped step (``scaler.update()`` wrote the scale with no optimizer step) ends the backward
 passes counted for the next update, as a step does: they were the dropped step's.
 
-Facts written to ``stats.extra``: ``"zero_grad"`` (:class:`gradwatch.stats.ZeroGradFacts`: optimizer,
+Facts written to ``stats.extra``: ``"zero_grad"`` (:class:`gradwatch.core.stats.ZeroGradFacts`: optimizer,
 representative parameter, backward passes counted, kept passes, state, the step of the previous check,
 whether Lightning's automatic optimization clears the gradients), ``"zero_grad_missing"``,
 ``"grads_cleared_before_step"`` and ``"cleared_between_backwards"`` (bools); ``"last_backward_grad"``
@@ -77,8 +77,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from gradwatch.core.stats import ZeroGradFacts
 from gradwatch.report import internal_warning
-from gradwatch.stats import ZeroGradFacts
 
 #: ``stats.extra["zero_grad"]["state"]`` values.
 FRESH = "fresh"
@@ -503,7 +503,7 @@ class ZeroGradTracker:
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
-        from gradwatch.distributed import is_distributed
+        from gradwatch.observe.distributed import is_distributed
 
         distributed = is_distributed()
         for op in engine.index.per_optimizer:
@@ -532,7 +532,7 @@ class ZeroGradTracker:
         if len(self.trackers) == 1:  # with several optimizers a backward pass is not one step's
             self.trackers[0].on_backward = engine.backward_reached
             self.trackers[0].on_cleared = engine.gradients_cleared
-            from gradwatch.amp import AmpMonitor
+            from gradwatch.observe.amp import AmpMonitor
 
             amp = engine.extension(AmpMonitor)
             if amp is not None:

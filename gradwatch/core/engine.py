@@ -22,19 +22,12 @@ import torch
 from torch import nn
 
 from gradwatch import checks as _checks
-from gradwatch.amp import AmpMonitor
 from gradwatch.checks.exploding import APPLIED, after_explosion
-from gradwatch.config import Config
-from gradwatch.escalation import Escalation
-from gradwatch.findings import Finding, GradWatchError
-from gradwatch.history import History
-from gradwatch.params import ParamIndex
-from gradwatch.preclip import BackwardNorms
-from gradwatch.report import Reporters, internal_warning, safe_warn
-from gradwatch.report.console import ConsoleReporter
-from gradwatch.report.jsonl import JsonlReporter, new_run_id
-from gradwatch.report.tensorboard import TensorBoardReporter
-from gradwatch.stats import (
+from gradwatch.core.config import Config
+from gradwatch.core.findings import Finding, GradWatchError
+from gradwatch.core.history import History
+from gradwatch.core.params import ParamIndex
+from gradwatch.core.stats import (
     StepStats,
     SyncBatch,
     count_nonfinite,
@@ -43,10 +36,17 @@ from gradwatch.stats import (
     read_grad_norms,
     total_norm,
 )
-from gradwatch.stats import (
+from gradwatch.core.stats import (
     queue_all_norms as _queue_all_norms,
 )
-from gradwatch.summary import RunSummary
+from gradwatch.diagnose.escalation import Escalation
+from gradwatch.observe.amp import AmpMonitor
+from gradwatch.observe.preclip import BackwardNorms
+from gradwatch.report import Reporters, internal_warning, safe_warn
+from gradwatch.report.console import ConsoleReporter
+from gradwatch.report.jsonl import JsonlReporter, new_run_id
+from gradwatch.report.summary import RunSummary
+from gradwatch.report.tensorboard import TensorBoardReporter
 
 _E = TypeVar("_E")
 
@@ -503,7 +503,7 @@ class Engine:
         self._cleared_backwards = 0
         batch = SyncBatch()
         source = self.extension(BackwardNorms)
-        # Plain loops: the norms backward produced, before the loop clipped them (see gradwatch.preclip).
+        # Plain loops: the norms backward produced, before the loop clipped them (see gradwatch.observe.preclip).
         norm_slots = source.backward_norms(opt_index, batch, grads, full) if source is not None else None
         if norm_slots is None and full:
             norm_slots = _queue_all_norms(batch, op, grads)
@@ -832,7 +832,7 @@ class Engine:
     def _closure_kept_gradients(self, opt_index: int, step: int | None) -> None:
         """The closure's second evaluation added its gradient onto the first one's: the closure does not
         clear them. Reported at this step, once (the next step's check would see the same)."""
-        from gradwatch.zero_grad import ZeroGradTracker
+        from gradwatch.observe.zero_grad import ZeroGradTracker
 
         tracker, key = self.extension(ZeroGradTracker), f"zero_grad_missing/{opt_index}"
         if tracker is None or self.history.reported.get(key):
@@ -894,7 +894,7 @@ class Engine:
         if self._explained is not None and self._explained[0] == key:
             return self._explained[1]  # explained already (gw.explain(e), then re-raised out of the with block)
         try:
-            from gradwatch import autograd_errors
+            from gradwatch.diagnose import autograd_errors
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
             finding = autograd_errors.explain(exc, engine=self, step=s)

@@ -10,7 +10,7 @@
   are derived on the TensorBoard writer thread (:class:`ChartSeries`). TensorBoard keeps one layout per run (the last one written wins), so a layout already in the
   run's event files (e.g. written by you before training) is read back and merged: your categories
   first, then ours. A layout you write *after* the first step replaces ours; to keep both, include
-  :func:`layout` in yours: ``writer.add_custom_scalars({**your_layout, **gradwatch.dashboard.layout()})``.
+  :func:`layout` in yours: ``writer.add_custom_scalars({**your_layout, **gradwatch.report.dashboard.layout()})``.
 - with ``histogram_every=N`` (off by default: ``add_histogram`` costs ~22 ms per million values), writes
   ``gradwatch/grad_hist/<layer>`` every N checked steps. NaN/Inf values are filtered out (an all-NaN
   tensor would make ``add_histogram`` raise) and counted in ``gradwatch/grad_hist_nonfinite/<layer>``.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.stats import layer_key
+from gradwatch.core.stats import layer_key
 
 #: Title of the Custom Scalars category gradwatch writes.
 CATEGORY = "gradwatch"

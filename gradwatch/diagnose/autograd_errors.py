@@ -12,7 +12,7 @@ Where the facts come from:
   is a module of the watched model.
 - The autograd graph, walked from the loss: the node whose saved tensor raises the same error, its
   neighbours, and the parameters (``AccumulateGrad.variable``) around it.
-- :class:`gradwatch.tracing.ForwardTracer` records on the first watched step and while escalated: the
+- :class:`gradwatch.observe.tracing.ForwardTracer` records on the first watched step and while escalated: the
   exact module and source line of the op, and the in-place op that changed its output.
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from gradwatch.findings import Finding, names_text
-from gradwatch.inplace_source import SourceWrite, local_writer
-from gradwatch.open_watchers import open_watchers
-from gradwatch.params import user_module
-from gradwatch.tracing import (
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.open_watchers import open_watchers
+from gradwatch.core.params import user_module
+from gradwatch.diagnose.inplace_source import SourceWrite, local_writer
+from gradwatch.observe.tracing import (
     ForwardTracer,
     InplaceRecord,
     OpRecord,
@@ -64,7 +64,7 @@ _NO_GRAD = "does not require grad and does not have a grad_fn"
 _NONSCALAR = "grad can be implicitly created only for"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root
 _LIBRARY_MARKERS = (
     os.sep + "lightning" + os.sep,
     os.sep + "pytorch_lightning" + os.sep,
@@ -105,7 +105,7 @@ def explain(exc: BaseException, *, engine: Any, step: int) -> Finding | None:
 
     Args:
         exc: The exception raised by the training code (left untouched).
-        engine: The run's :class:`~gradwatch.engine.Engine` (names, tracer records).
+        engine: The run's :class:`~gradwatch.core.engine.Engine` (names, tracer records).
         step: Index of the optimizer step during which it was raised.
 
     Example:
@@ -150,7 +150,7 @@ def _anomaly_nan(ctx: _Context, op: str, index: int) -> Finding:
     """Anomaly mode (``torch.autograd.set_detect_anomaly``, Lightning's ``detect_anomaly=True``) stopped
     backward at the first node that returned NaN. It checks for NaN only: an Inf born earlier (sqrt or
     log at 0) turns into NaN at a later, harmless-looking op (a matmul multiplying Inf by 0)."""
-    from gradwatch.escalation import _GENERIC_FIX, fix_for
+    from gradwatch.diagnose.escalation import _GENERIC_FIX, fix_for
 
     losses = [t for t in ctx.roots() if t.numel() == 1]
     loss_note = ""

@@ -13,7 +13,7 @@ The ladder, as an engine extension (:class:`Escalation`, attached by ``default_e
    ``nonfinite_input`` when the captured batch itself holds NaN/Inf (the data is the cause, nothing
    to localize in the model).
 3. Otherwise ``nan_origin``: the step is replayed on the captured batch (weights are still unchanged) with
-   anomaly mode and :class:`~gradwatch.localize.Localizer` on, and the finding names the op (e.g.
+   anomaly mode and :class:`~gradwatch.diagnose.localize.Localizer` on, and the finding names the op (e.g.
    ``SqrtBackward0``), the module and the source line where the first non-finite value was born, with a
    per-layer table of gradient norm and NaN/Inf counts. The replay leaves no trace: parameter ``.grad``
    is untouched (``torch.autograd.grad``), module buffers (BatchNorm running statistics) and the RNG
@@ -77,14 +77,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten_with_path, tree_leaves, tree_map
 
-from gradwatch.findings import Finding, names_text
-from gradwatch.incidents import incident_paths, write_incident
-from gradwatch.localize import ROOT, Localization, Localizer, summarize
-from gradwatch.module_hooks import owned, patched
-from gradwatch.params import fabric_redirect, user_module
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.params import fabric_redirect, user_module
+from gradwatch.core.stats import SyncBatch, queue_grad_norms, read_grad_norms
+from gradwatch.diagnose.localize import ROOT, Localization, Localizer, summarize
+from gradwatch.observe.module_hooks import owned, patched
+from gradwatch.observe.tracing import _is_compiled, library_frame
 from gradwatch.report import host_rng_kept, internal_warning
-from gradwatch.stats import SyncBatch, queue_grad_norms, read_grad_norms
-from gradwatch.tracing import _is_compiled, library_frame
+from gradwatch.report.incidents import incident_paths, write_incident
 
 #: Top-level packages besides torch whose frames stand between the training loop and an optimizer's step
 #: (the loop's frame is the first outside them): Lightning Fabric's optimizer steps through its strategy and
@@ -259,7 +259,7 @@ class Escalation:
 
     Example:
         >>> import torch, gradwatch
-        >>> from gradwatch.escalation import Escalation
+        >>> from gradwatch.diagnose.escalation import Escalation
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:

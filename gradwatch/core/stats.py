@@ -74,7 +74,7 @@ class StepStats:
 
 
 class ZeroGradFacts(TypedDict, total=False):
-    """``stats.extra["zero_grad"]``: what :class:`gradwatch.zero_grad.ZeroGradTracker` saw of one optimizer's
+    """``stats.extra["zero_grad"]``: what :class:`gradwatch.observe.zero_grad.ZeroGradTracker` saw of one optimizer's
     gradients since its previous check, for the checks in :mod:`gradwatch.checks.zero_grad` (a plain dict at
     run time). The tracker writes the first ten keys at every check, the others only when they hold."""
 

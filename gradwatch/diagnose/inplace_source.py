@@ -1,7 +1,7 @@
 """Find, in the user's source, the line that wrote a local tensor in place after autograd saved it.
 
 In-place ops of the training code (``label.fill_(0)`` on a loss target, ``probs.clamp_(min=1e-6)`` on a
-model's output) run outside the model's forward, where :class:`gradwatch.tracing.ForwardTracer` records
+model's output) run outside the model's forward, where :class:`gradwatch.observe.tracing.ForwardTracer` records
 nothing. On the error path only, the frames of the exception's traceback still hold the user's local
 variables: a local bound to the tensor whose version counter is at the version PyTorch reports (or to a
 view of it) is the modified tensor, and the function's source names the in-place writes to that

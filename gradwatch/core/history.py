@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradwatch.stats import StepStats
+from gradwatch.core.stats import StepStats
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Findings: what gradwatch reports, as data that renders itself.
 
 A :class:`Finding` names what went wrong (``kind``), when (``step``), where (``params``, ``module``,
-``op``), why it matters and how to fix it (``message``), plus machine-readable details (``data``).
-Reporters (console, TensorBoard, JSON lines) only format findings; they never decide anything.
+``op``), why it matters and how to fix it (``explanation``, rendered as ``message``), plus machine-readable
+details (``data``). Reporters (console, TensorBoard, JSON lines) only format findings; they never decide anything.
 """
 
 from __future__ import annotations
@@ -35,6 +35,32 @@ INCIDENT_KINDS: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
+class Explanation:
+    """What a finding says, in parts: what happened (where, when), why it matters, the likely cause, the fix.
+
+    A finding's ``message`` is rendered from it (:meth:`render`), so a program reads the fix from
+    ``finding.explanation.fix`` and never parses the message.
+
+    Example:
+        >>> Explanation("Loss is NaN at step 3.", fix="lower the learning rate.").render()
+        'Loss is NaN at step 3.\\nFix: lower the learning rate.'
+    """
+
+    what: str
+    why: str = ""
+    cause: str = ""
+    fix: str = ""
+
+    def render(self) -> str:
+        """The message: ``what``, then ``Why it matters:``, ``Cause:`` and ``Fix:`` paragraphs, each if set."""
+        labelled = (("Why it matters: ", self.why), ("Cause: ", self.cause), ("Fix: ", self.fix))
+        return "\n".join([self.what, *(label + text for label, text in labelled if text)])
+
+    def to_dict(self) -> dict[str, str]:
+        return {"what": self.what, "why": self.why, "cause": self.cause, "fix": self.fix}
+
+
+@dataclass(frozen=True)
 class Finding:
     """One thing gradwatch noticed about the run.
 
@@ -48,6 +74,8 @@ class Finding:
         module: Qualified name of the module concerned, if one can be named.
         op: Autograd or forward op concerned (e.g. ``"SqrtBackward0"``), if one can be named.
         data: Machine-readable details (counts, norms, rank, ...). JSON-serialisable.
+        explanation: The message in parts (what, why, cause, fix), when the finding was built from them;
+            ``message`` is then rendered from it. ``None`` for a finding built from a message alone.
 
     Example:
         >>> f = Finding(kind="none_grad", step=3, severity="warning", message="...", params=("head.bias",))
@@ -58,11 +86,30 @@ class Finding:
     kind: str
     step: int
     severity: Severity
-    message: str
+    message: str = ""
     params: tuple[str, ...] = ()
     module: str | None = None
     op: str | None = None
     data: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    explanation: Explanation | None = field(default=None, compare=False, hash=False, repr=False)
+    # the explanation ``message`` was rendered from: ``dataclasses.replace(f, explanation=...)`` re-renders it
+    _rendered_from: Explanation | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.explanation is None:
+            return
+        rendered = self.explanation.render()
+        stale = self._rendered_from is not None and self.message == self._rendered_from.render()
+        if self.message and self.message != rendered and not stale:
+            # dataclasses.replace(f, message=...) on an explained finding: change the explanation instead
+            raise ValueError(f"Finding {self.kind!r}: give an explanation or a message, not two different texts")
+        object.__setattr__(self, "message", rendered)
+        object.__setattr__(self, "_rendered_from", self.explanation)
+
+    @property
+    def fix(self) -> str:
+        """The fix, from the explanation ("" for a finding built from a message alone)."""
+        return self.explanation.fix if self.explanation else ""
 
     @property
     def where(self) -> str:
@@ -93,6 +140,7 @@ class Finding:
             "module": self.module,
             "op": self.op,
             "data": _jsonable(self.data),
+            **({"explanation": self.explanation.to_dict()} if self.explanation else {}),
         }
 
     def to_json(self) -> str:
@@ -102,11 +150,14 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Finding:
         """Inverse of :meth:`to_dict`."""
+        parts = d.get("explanation")
+        explanation = Explanation(**{k: str(v) for k, v in parts.items()}) if isinstance(parts, dict) else None
         return cls(
             kind=str(d["kind"]),
             step=int(d["step"]),
             severity=d.get("severity", "warning"),
-            message=str(d.get("message", "")),
+            message="" if explanation else str(d.get("message", "")),
+            explanation=explanation,
             params=tuple(d.get("params") or ()),
             module=d.get("module"),
             op=d.get("op"),

@@ -5,7 +5,7 @@ of the layer's weights. And what the optimizer does with a gradient (Adam rescal
 it) only shows in the update it applies. This extension measures both, cheaply:
 
 - every ``update_ratio_every`` checked steps it queues ``||p||`` per parameter (one fused
-  ``_foreach_norm``) into the step's :class:`~gradwatch.stats.SyncBatch`, and keeps a fixed random sample
+  ``_foreach_norm``) into the step's :class:`~gradwatch.core.stats.SyncBatch`, and keeps a fixed random sample
   of at most :data:`UPDATE_SAMPLE` elements of each parameter (``p_before``; small tensors whole);
 - at the next checked step it queues ``||p_now - p_before||`` over the same elements (in place in the
   sample) and drops the sample. The ratio ``||p_after - p_before|| / ||p_before||`` per layer is the
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from gradwatch.stats import SyncBatch, layer_norms, local_shards, queue_grad_norms, read_grad_norms
+from gradwatch.core.stats import SyncBatch, layer_norms, local_shards, queue_grad_norms, read_grad_norms
 
 #: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
 MAD_TO_STD = 1.4826
@@ -170,7 +170,7 @@ def converged(history: Any, optimizer_index: int) -> str | None:
 def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
     """When the gradients are clipped after gradwatch's measurement (Lightning's ``gradient_clip_val``, the
     module's ``configure_gradient_clipping``, see ``lightning.ClipRatio``; a plain loop's own clipping, see
-    ``gradwatch.preclip``), one clause saying so, with the
+    ``gradwatch.observe.preclip``), one clause saying so, with the
     factor when known (``this_step``: the finding is about this step's gradient). None when nothing is known
     to clip, or when Lightning's norm clipping did not bite (the norm was below ``gradient_clip_val``)."""
     facts = stats.extra.get("clipping")
@@ -323,7 +323,7 @@ class _Inflight:
 class MagnitudeExtension:
     """Measures per-layer parameter norms and update-to-weight ratios every ``update_ratio_every`` checks.
 
-    Attached by :func:`gradwatch.extensions.default_extensions` for both integrations. With
+    Attached by :func:`gradwatch.core.extensions.default_extensions` for both integrations. With
     ``update_ratio_every=0`` it does nothing.
 
     Logged scalars:

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from gradwatch.core.stats import SyncBatch, layer_norms, queue_all_norms, queue_grad_norms, total_norm
 from gradwatch.report import internal_warning
-from gradwatch.stats import SyncBatch, layer_norms, queue_all_norms, queue_grad_norms, total_norm
 
 _VERSION = operator.attrgetter("_version")
 _BEFORE, _NOW, _SCALE = "preclip/before", "preclip/now", "preclip/scale"
@@ -72,7 +72,7 @@ class BackwardNorms:
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
-        from gradwatch.distributed import is_distributed
+        from gradwatch.observe.distributed import is_distributed
 
         if is_distributed():
             return  # sharded gradients (FSDP), comm hooks rewriting them: measured at the step, as before
@@ -164,7 +164,7 @@ class BackwardNorms:
     def _unscaled_by(self, index: int) -> torch.Tensor | None:
         """The GradScaler's scale when it unscaled this optimizer's gradients since backward (the backward
         norms are of the scaled gradients then)."""
-        from gradwatch.amp import AmpMonitor
+        from gradwatch.observe.amp import AmpMonitor
 
         amp = self.engine.extension(AmpMonitor)
         scaler = getattr(amp, "scaler", None)

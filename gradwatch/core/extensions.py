@@ -10,31 +10,31 @@ Integration = Literal["plain", "lightning"]
 def default_extensions(engine: Any, *, scaler: Any = None, integration: Integration = "plain") -> list[Any]:
     """The extensions for a new engine, in the order they run."""
     exts: list[Any] = []
-    from gradwatch.amp import AmpMonitor
+    from gradwatch.observe.amp import AmpMonitor
 
     exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
     if integration == "plain":  # Lightning checks before its clipping already
-        from gradwatch.preclip import BackwardNorms
+        from gradwatch.observe.preclip import BackwardNorms
 
         exts.append(BackwardNorms())  # before ZeroGradTracker: it reads the norms of a cleared step
-    from gradwatch.zero_grad import ZeroGradTracker
+    from gradwatch.observe.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker(integration=integration))
-    from gradwatch.half_update import HalfUpdateGuard
+    from gradwatch.observe.half_update import HalfUpdateGuard
 
     exts.append(HalfUpdateGuard())  # float16 parameters with an eps that rounds to 0 only
-    from gradwatch.tracing import ForwardTracer
+    from gradwatch.observe.tracing import ForwardTracer
 
     exts.append(ForwardTracer(integration=integration))  # module names for autograd errors
-    from gradwatch.dashboard import Dashboard
-    from gradwatch.magnitude import MagnitudeExtension
+    from gradwatch.observe.magnitude import MagnitudeExtension
+    from gradwatch.report.dashboard import Dashboard
 
     exts.append(MagnitudeExtension())
     exts.append(Dashboard())
-    from gradwatch.escalation import Escalation
+    from gradwatch.diagnose.escalation import Escalation
 
     exts.append(Escalation(integration=integration))
-    from gradwatch.distributed import RankAgreement, is_distributed
+    from gradwatch.observe.distributed import RankAgreement, is_distributed
 
     if is_distributed() and engine.config.rank_agreement:
         exts.append(RankAgreement())  # last: it folds every rank's verdict into one collective

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from gradwatch.findings import Finding, names_text
-from gradwatch.module_hooks import owned
+from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
+from gradwatch.observe.module_hooks import owned
 from gradwatch.report import internal_warning, safe_warn
-from gradwatch.stats import StepStats, layer_key, layer_norms, total_norm
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
 
@@ -561,7 +561,7 @@ class RankAgreement:
             engine = self._engine
             if not stats.is_nonfinite or engine is None or engine.config.deferred:
                 return []  # deferred: the statistics are a step old, the held inputs are the next step's
-            from gradwatch.escalation import Escalation
+            from gradwatch.diagnose.escalation import Escalation
 
             esc = engine.extension(Escalation)
             find = getattr(esc, "_nonfinite_inputs", None)
