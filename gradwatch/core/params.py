@@ -96,7 +96,7 @@ def _owner(module: str) -> str:
     return module.removesuffix(".parametrizations")
 
 
-def _module_wrappers(model: nn.Module) -> frozenset[str]:
+def module_wrappers(model: nn.Module) -> frozenset[str]:
     return frozenset(
         name
         for name, m in model.named_modules(remove_duplicate=False)
@@ -125,7 +125,7 @@ class ParamIndex:
         self.module_name: dict[int, str] = {}
         self.model_params: list[tuple[str, torch.Tensor]] = []
         if self.model is not None:
-            wrappers = _module_wrappers(self.model)
+            wrappers = module_wrappers(self.model)
             lookups = []
             for mname, module in self.model.named_modules(remove_duplicate=False):
                 self.module_name.setdefault(id(module), user_path(mname, wrappers))
@@ -212,7 +212,7 @@ class ParamIndex:
         if self._members is None:
             members: dict[str, tuple[str, str]] = {}
             if self.model is not None:
-                wrappers = _module_wrappers(self.model)
+                wrappers = module_wrappers(self.model)
                 for cname, container in self.model.named_modules():
                     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
                         continue
@@ -237,7 +237,7 @@ class ParamIndex:
             return []
         known = set(self.param_name)
         held = self._held
-        wrappers = _module_wrappers(self.model)
+        wrappers = module_wrappers(self.model)
         out: list[tuple[str, torch.Tensor, str]] = []
         seen: set[int] = set()
 

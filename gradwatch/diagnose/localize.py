@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gradwatch.core.params import _module_wrappers, user_path
+from gradwatch.core.params import module_wrappers, user_path
 from gradwatch.observe.module_hooks import owned
 
 ROOT = "<root>"
@@ -146,6 +146,33 @@ class Localization:
     first_seen: Site | None = None
     ops_recorded: int = 0
     nodes_recorded: int = 0
+
+
+@dataclass
+class Readings:
+    """Every check one recording queued, read back to the host (the facts :meth:`Localizer.resolve` decides on).
+
+    Attributes:
+        ops: Per forward op: its site, its autograd node, whether it was given an explicit non-finite number,
+            the summary of its inputs and of its outputs, and the span of aten ops it ran (indices in ``aten``).
+        aten: Per aten op: its name, the explicit-number flag, its input and output summaries.
+        modules: Per module completion: its label, its input and output summaries.
+        fired: Per backward node that ran: its index, the gradient it received and the one it produced.
+        saved: The forward inputs loss-code nodes saved, by node index.
+        results: The forward results loss-code nodes saved, by node index.
+    """
+
+    ops: list[tuple[Site, Any, bool, list[float] | None, list[float] | None, tuple[int, int]]]
+    aten: list[tuple[str, bool, list[float] | None, list[float] | None]]
+    modules: list[tuple[str, list[float] | None, list[float] | None]]
+    fired: list[tuple[int, list[float] | None, list[float] | None]]
+    saved: dict[int, list[float] | None]
+    results: dict[int, list[float] | None]
+
+    @property
+    def outputs(self) -> list[list[float] | None]:
+        """The output summary of every forward op, in order."""
+        return [after for _s, _n, _i, _b, after, _r in self.ops]
 
 
 def _float_tensors(obj: Any) -> list[torch.Tensor]:
@@ -353,7 +380,7 @@ class Localizer:
         """Forward pre/post hooks on every submodule (only while localizing)."""
         if self._module_hooks or self.root is None:
             return
-        wrappers = _module_wrappers(self.root)
+        wrappers = module_wrappers(self.root)
         for name, m in self.root.named_modules():
             label = user_path(name, wrappers) or self.root_label  # no torch.compile / DDP wrapper segments
             # prepend: before the module's own pre-hooks (legacy weight_norm computes the weight in one)
@@ -500,7 +527,7 @@ class Localizer:
         if site is None or self.root is None:
             return site
         owners = []
-        wrappers = _module_wrappers(self.root)
+        wrappers = module_wrappers(self.root)
         for name, m in self.root.named_modules():
             code = getattr(getattr(type(m), "forward", None), "__code__", None)
             if code is None or code.co_filename != site.filename or site.lineno is None:
@@ -528,10 +555,10 @@ class Localizer:
             pass
 
     # -- reading back ------------------------------------------------------------------------------
-    def resolve(self) -> Localization:
-        """Read every queued check back (one transfer per device) and name the origin."""
+    def _read_back(self) -> Readings:
+        """Every queued check read back to the host (one transfer per device)."""
         vectors: list[torch.Tensor | None] = []
-        for _site, _node, _intent, before, after, _range in self._ops:
+        for _site, _node, _intent, before, after, _span in self._ops:
             vectors += [before, after]
         for _name, _intent, before, after in self._aten:
             vectors += [before, after]
@@ -543,81 +570,72 @@ class Localizer:
         vectors += [self._saved_inputs[k] for k in saved_keys]
         result_keys = list(self._saved_results)
         vectors += [self._saved_results[k] for k in result_keys]
-        values = _read(vectors)
-        it = iter(values)
-        ops = [(site, node, intent, next(it), next(it)) for site, node, intent, _b, _a, _r in self._ops]
-        aten = [(name, intent, next(it), next(it)) for name, intent, _b, _a in self._aten]
-        mods = [(label, next(it), next(it)) for label, _i, _o in self._modules]
-        fired = [(i, next(it), next(it)) for i, _a, _b in self._fired]
-        saved = {k: next(it) for k in saved_keys}
-        results = {k: next(it) for k in result_keys}
+        it = iter(_read(vectors))
+        return Readings(
+            ops=[(site, node, intent, next(it), next(it), span) for site, node, intent, _b, _a, span in self._ops],
+            aten=[(name, intent, next(it), next(it)) for name, intent, _b, _a in self._aten],
+            modules=[(label, next(it), next(it)) for label, _i, _o in self._modules],
+            fired=[(i, next(it), next(it)) for i, _a, _b in self._fired],
+            saved={k: next(it) for k in saved_keys},
+            results={k: next(it) for k in result_keys},
+        )
 
-        loc = Localization(ops_recorded=len(ops), nodes_recorded=len(fired))
-        loc.forward_finite = all(a is None or not _bad(a) for *_x, a in ops)
-        if (
-            not loc.forward_finite
-            and ops[-1][4] is not None
-            and not _bad(ops[-1][4])
-            and all(a is None or (not a[0] and a[5] < math.inf) for *_x, a in ops)
-        ):
-            # Only -inf, absorbed before the output (an additive attention mask or bias passed in, then
-            # softmaxed): a finite forward as far as a NaN born later is concerned.
-            loc.forward_finite = True
-        found = _first_birth(
-            [(intent, before, after) for _s, _n, intent, before, after in ops], [str(s.func) for s, *_r in ops]
+    def resolve(self) -> Localization:
+        """Read every queued check back (one transfer per device) and name the origin."""
+        r = self._read_back()
+        outputs = r.outputs
+        loc = Localization(
+            ops_recorded=len(r.ops), nodes_recorded=len(r.fired), forward_finite=forward_finite(outputs)
         )
-        origin = None
-        if found is not None:
-            site, node, intent, before, after = ops[found]
-            origin = Origin(
-                phase="forward",
-                # CopySlices (an in-place write into a view) says less than the op that wrote: x[i] = v.
-                op=node.name() if node is not None and "::" not in node.name() else site.func,
-                forward_op=site.func,
-                module=site.module,
-                source=site.source,
-                code=site.code,
-                incoming=_magnitudes(before),
-                outgoing=_out(after),
-                traceback=_traceback(node) if node is not None else None,
-                explicit_operand=intent,
-            )
-            start, end = self._ops[found][5]
-            if end - start > 1:  # a composite function: name the aten op inside it
-                inner = _first_birth([(i, b, a) for _n, i, b, a in aten[start:end]])
-                if inner is not None:
-                    _refine(origin, node, aten[start + inner])
-        # An Inf-only birth whose value the forward absorbed (log of a 0/1 mask added before a softmax or
-        # logsumexp: the pass ends finite) happens on healthy steps too; a backward birth is the cause.
-        absorbed = (
-            origin is not None
-            and not origin.outgoing.get("nan")
-            and bool(ops)
-            and ops[-1][4] is not None
-            and not _bad(ops[-1][4])
-        )
-        if origin is not None and origin.outgoing.get("nan") and bool(ops) and ops[-1][4] is not None:
+        origin = self._forward_origin(r)
+        ends_finite = last_finite(outputs)
+        if origin is not None and origin.outgoing.get("nan") and ends_finite is not None:
             # A NaN born in the forward that its output no longer holds: masked out (torch.where, indexing),
             # yet the masked positions' gradient is NaN (0 * the op's infinite derivative).
-            origin.masked = not _bad(ops[-1][4])
-        if origin is None or absorbed:
-            forward_inputs = {node: before for _s, node, _i, before, _a in ops if node is not None}
-            for index, summary in saved.items():
-                forward_inputs.setdefault(self._nodes[index], summary)
-            backward = self._backward_origin(fired, forward_inputs)
-            if backward is None and origin is None:
-                backward = self._loss_forward_origin(fired, saved, results)
-            if backward is not None or origin is None:
-                origin = backward
+            origin.masked = ends_finite
+        if origin is None or absorbed(origin.outgoing, ends_finite):
+            origin = self._later_origin(r, origin)
         loc.origin = origin
         if origin is None and not loc.forward_finite:
-            loc.first_seen = next((site for site, _n, _i, before, _a in ops if before is not None and _bad(before)), None)
-        for label, ins, outs in mods:
-            if outs is not None and _bad(outs):
-                loc.first_module = label
-                loc.first_module_inputs = _magnitudes(ins)
-                break
+            loc.first_seen = first_seen([(site, before) for site, _n, _i, before, _a, _s in r.ops])
+        loc.first_module, loc.first_module_inputs = first_bad_module(r.modules)
         return loc
+
+    def _forward_origin(self, r: Readings) -> Origin | None:
+        """The forward op where a non-finite value was born (the aten op inside a composite one), if any."""
+        found = _first_birth([(i, b, a) for _s, _n, i, b, a, _r in r.ops], [str(s.func) for s, *_r in r.ops])
+        if found is None:
+            return None
+        site, node, intent, before, after, (start, end) = r.ops[found]
+        origin = Origin(
+            phase="forward",
+            # CopySlices (an in-place write into a view) says less than the op that wrote: x[i] = v.
+            op=node.name() if node is not None and "::" not in node.name() else site.func,
+            forward_op=site.func,
+            module=site.module,
+            source=site.source,
+            code=site.code,
+            incoming=_magnitudes(before),
+            outgoing=_out(after),
+            traceback=_traceback(node) if node is not None else None,
+            explicit_operand=intent,
+        )
+        if end - start > 1:  # a composite function: name the aten op inside it
+            inner = _first_birth([(i, b, a) for _n, i, b, a in r.aten[start:end]])
+            if inner is not None:
+                _refine(origin, node, r.aten[start + inner])
+        return origin
+
+    def _later_origin(self, r: Readings, forward: Origin | None) -> Origin | None:
+        """With no forward birth, or one the forward absorbed: a backward (or loss-code) birth, which then
+        wins; else ``forward``."""
+        forward_inputs = {node: before for _s, node, _i, before, _a, _r in r.ops if node is not None}
+        for index, summary in r.saved.items():
+            forward_inputs.setdefault(self._nodes[index], summary)
+        backward = self._backward_origin(r.fired, forward_inputs)
+        if backward is None and forward is None:
+            backward = self._loss_forward_origin(r.fired, r.saved, r.results)
+        return backward if backward is not None or forward is None else forward
 
     def _loss_forward_origin(
         self,
@@ -780,38 +798,105 @@ def _traceback(node: Any) -> str | None:
 _MASKING = ("masked_fill", "where", "fill", "full", "setitem", "index_put", "masked_scatter", "index_fill")
 
 
+def _fresh(before: list[float] | None, after: list[float] | None) -> bool:
+    """A non-finite output from finite inputs: where a non-finite value is born."""
+    return after is not None and _bad(after) and (before is None or not _bad(before))
+
+
+def _nan_made(before: list[float] | None, after: list[float] | None) -> bool:
+    """A NaN output from inputs without NaN (they may hold Inf)."""
+    return after is not None and bool(after[0]) and (before is None or not before[0])
+
+
 def _first_birth(
     ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None = None
 ) -> int | None:
     """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries
     (``names``: the ops' function names, to tell masks from other explicit Inf arguments)."""
-    # A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended.
-    for i, (intended, before, after) in enumerate(ops):
-        if after is None or not _bad(after) or intended:
-            continue
-        if before is None or not _bad(before):
-            return i
-    # Otherwise a NaN made from Inf (e.g. softmax over a fully masked row), unless the Inf came from an
-    # explicit float('inf') given to an op that is no mask: then that op made it.
-    for i, (_intended, before, after) in enumerate(ops):
-        if after is None or not after[0]:
-            continue
-        if before is None or not before[0]:
-            for j in range(i):
-                intended, b, a = ops[j]
-                name = (names[j] if names is not None and j < len(names) else "") or ""
-                if intended and a is not None and _bad(a) and (b is None or not _bad(b)) and names is not None \
-                        and not any(m in name.lower() for m in _MASKING):
-                    return j
-            return i
-    # Otherwise an explicit float('inf')/nan argument after all, when its value reached the end of the
-    # forward pass (the loss): a sentinel that was never masked out, e.g. ``loss * float("inf")``.
-    last = ops[-1][2] if ops else None
-    if last is not None and _bad(last):
-        for i, (intended, before, after) in enumerate(ops):
-            if intended and after is not None and _bad(after) and (before is None or not _bad(before)):
-                return i
+    for rule in (_born_unintended, _nan_from_inf, _sentinel_reached_end):
+        found = rule(ops, names)
+        if found is not None:
+            return found
     return None
+
+
+def _born_unintended(
+    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None
+) -> int | None:
+    """A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended."""
+    return next((i for i, (intended, before, after) in enumerate(ops) if not intended and _fresh(before, after)), None)
+
+
+def _nan_from_inf(ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None) -> int | None:
+    """A NaN made from Inf (e.g. softmax over a fully masked row), unless the Inf came from an explicit
+    float('inf') given to an op that is no mask: then that op made it."""
+    for i, (_intended, before, after) in enumerate(ops):
+        if _nan_made(before, after):
+            maker = _explicit_value_before(ops, names, i)
+            return i if maker is None else maker
+    return None
+
+
+def _explicit_value_before(
+    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None, end: int
+) -> int | None:
+    """The first op before ``end`` that made a non-finite value from an explicit float('inf') given to an op
+    that is no mask (``out * float("inf")``); None without ``names``."""
+    if names is None:
+        return None
+    for j in range(end):
+        intended, before, after = ops[j]
+        name = (names[j] if j < len(names) else "") or ""
+        if intended and _fresh(before, after) and not any(m in name.lower() for m in _MASKING):
+            return j
+    return None
+
+
+def _sentinel_reached_end(
+    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None
+) -> int | None:
+    """An explicit float('inf')/nan argument after all, when its value reached the end of the forward pass
+    (the loss): a sentinel that was never masked out, e.g. ``loss * float("inf")``."""
+    last = ops[-1][2] if ops else None
+    if last is None or not _bad(last):
+        return None
+    return next((i for i, (intended, before, after) in enumerate(ops) if intended and _fresh(before, after)), None)
+
+
+def forward_finite(outputs: list[list[float] | None]) -> bool:
+    """Whether the forward pass counts as finite: every op output finite, or only -inf that was absorbed
+    before the output (an additive attention mask or bias passed in, then softmaxed), as far as a NaN born
+    later is concerned."""
+    if all(a is None or not _bad(a) for a in outputs):
+        return True
+    return last_finite(outputs) is True and all(a is None or (not a[0] and a[5] < math.inf) for a in outputs)
+
+
+def last_finite(outputs: list[list[float] | None]) -> bool | None:
+    """Whether the forward pass's last op output was finite; None when unknown (no ops, or not summarized)."""
+    last = outputs[-1] if outputs else None
+    return None if last is None else not _bad(last)
+
+
+def absorbed(outgoing: dict[str, Any], ends_finite: bool | None) -> bool:
+    """An Inf-only forward birth whose value the forward absorbed (log of a 0/1 mask added before a softmax
+    or logsumexp: the pass ends finite) happens on healthy steps too; a backward birth is the cause."""
+    return not outgoing.get("nan") and ends_finite is True
+
+
+def first_seen(ops: list[tuple[Site, list[float] | None]]) -> Site | None:
+    """With no birth found: the site of the first op whose inputs already held NaN/Inf."""
+    return next((site for site, before in ops if before is not None and _bad(before)), None)
+
+
+def first_bad_module(
+    modules: list[tuple[str, list[float] | None, list[float] | None]],
+) -> tuple[str | None, dict[str, float]]:
+    """The first module (in completion order) whose output was non-finite, and its inputs' magnitudes."""
+    for label, ins, outs in modules:
+        if outs is not None and _bad(outs):
+            return label, _magnitudes(ins)
+    return None, {}
 
 
 def _norm_name(name: str) -> str:
