@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
@@ -153,66 +154,103 @@ def _with_suggestion(name: str, known: tuple[str, ...]) -> str:
     return f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name)
 
 
+def _is_bool(value: Any) -> type[Exception] | None:
+    return None if isinstance(value, bool) else TypeError
+
+
+def _integer_at_least(minimum: int) -> Callable[[Any], type[Exception] | None]:
+    def check(value: Any) -> type[Exception] | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return TypeError
+        return ValueError if value < minimum else None
+
+    return check
+
+
+def _finite_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _positive(value: Any) -> type[Exception] | None:
+    return None if _finite_number(value) and value > 0 else ValueError
+
+
+def _optional(check: Callable[[Any], type[Exception] | None]) -> Callable[[Any], type[Exception] | None]:
+    return lambda value: None if value is None else check(value)
+
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[Any], type[Exception] | None]:
+    return lambda value: None if value in allowed else ValueError
+
+
+def _path(value: Any) -> type[Exception] | None:
+    return None if isinstance(value, str) else TypeError
+
+
+def _not_blank(value: Any) -> type[Exception] | None:
+    return None if value.strip() else ValueError
+
+
+def _console(value: Any) -> type[Exception] | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        from rich.console import Console as _Console
+    except ImportError:  # pragma: no cover - rich is a dependency
+        return TypeError
+    return None if isinstance(value, _Console) else TypeError
+
+
+def _band(value: Any) -> type[Exception] | None:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return ValueError
+    if not all(_finite_number(b) and b > 0 for b in value):
+        return ValueError
+    return None if value[0] < value[1] else ValueError
+
+
+_INTEGER = "must be an integer >= {}"
+_POSITIVE = "must be a finite number > 0"
+_BOOL = "must be True or False"
+
+#: Every keyword's checks, in order: (keyword, check, what the value must be). The first failing check
+#: raises ``<its exception>("<keyword>=<value!r> <words>")``.
+_RULES: tuple[tuple[str, Callable[[Any], type[Exception] | None], str], ...] = (
+    ("on_nonfinite", _one_of(ON_NONFINITE), f"is not one of {', '.join(map(repr, ON_NONFINITE))}"),
+    ("log_dir", _optional(_path), "must be a path (str or os.PathLike) or None"),
+    ("log_dir", _optional(_not_blank), "is empty; pass a directory, or None to write no logs"),
+    ("console", _console, "must be True, False or a rich.console.Console"),
+    ("per_layer", _is_bool, _BOOL),
+    ("escalate", _is_bool, _BOOL),
+    ("save_batch", _is_bool, _BOOL),
+    ("deferred", _is_bool, _BOOL),
+    ("rank_agreement", _is_bool, _BOOL),
+    ("every", _integer_at_least(1), _INTEGER.format(1)),
+    ("escalate_steps", _integer_at_least(1), _INTEGER.format(1)),
+    ("histogram_every", _integer_at_least(0), _INTEGER.format(0)),
+    ("tb_flush_every", _integer_at_least(1), _INTEGER.format(1)),
+    ("layer_every", _integer_at_least(1), _INTEGER.format(1)),
+    ("window", _integer_at_least(4), _INTEGER.format(4)),
+    ("dead_steps", _integer_at_least(1), _INTEGER.format(1)),
+    ("rate_limit", _integer_at_least(0), _INTEGER.format(0)),
+    ("max_skips", _optional(_integer_at_least(0)), _INTEGER.format(0)),
+    ("exploding_norm", _optional(_positive), _POSITIVE),
+    ("spike_factor", _positive, _POSITIVE),
+    ("vanishing_ratio", _positive, _POSITIVE),
+    ("exploding_ratio", _optional(_positive), _POSITIVE),
+    ("update_ratio_every", _integer_at_least(0), _INTEGER.format(0)),
+    ("update_ratio_band", _band, "must be (low, high) with 0 < low < high, e.g. (1e-6, 0.1)"),
+)
+
+
 def _validate(c: Config) -> None:
-    if c.on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite={c.on_nonfinite!r} is not one of {', '.join(map(repr, ON_NONFINITE))}")
-    if c.log_dir is not None and not isinstance(c.log_dir, str):
-        raise TypeError(f"log_dir={c.log_dir!r} must be a path (str or os.PathLike) or None")
-    if c.log_dir is not None and not c.log_dir.strip():
-        raise ValueError(f"log_dir={c.log_dir!r} is empty; pass a directory, or None to write no logs")
-    if not isinstance(c.console, bool):
-        try:
-            from rich.console import Console as _Console
-        except ImportError:  # pragma: no cover - rich is a dependency
-            _Console = ()  # type: ignore[assignment,misc]
-        if not isinstance(c.console, _Console):
-            raise TypeError(f"console={c.console!r} must be True, False or a rich.console.Console")
-    for name in ("per_layer", "escalate", "save_batch", "deferred", "rank_agreement"):
-        _check_bool(name, getattr(c, name))
-    _check_int("every", c.every, minimum=1)
-    _check_int("escalate_steps", c.escalate_steps, minimum=1)
-    _check_int("histogram_every", c.histogram_every, minimum=0)
-    _check_int("tb_flush_every", c.tb_flush_every, minimum=1)
-    _check_int("layer_every", c.layer_every, minimum=1)
-    _check_int("window", c.window, minimum=4)
-    _check_int("dead_steps", c.dead_steps, minimum=1)
-    _check_int("rate_limit", c.rate_limit, minimum=0)
-    if c.max_skips is not None:
-        _check_int("max_skips", c.max_skips, minimum=0)
-    if c.exploding_norm is not None:
-        _check_positive("exploding_norm", c.exploding_norm)
-    _check_positive("spike_factor", c.spike_factor)
-    _check_positive("vanishing_ratio", c.vanishing_ratio)
-    if c.exploding_ratio is not None:
-        _check_positive("exploding_ratio", c.exploding_ratio)
-    _check_int("update_ratio_every", c.update_ratio_every, minimum=0)
-    band = c.update_ratio_band
-    if (
-        not isinstance(band, (tuple, list))
-        or len(band) != 2
-        or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0 for b in band)
-        or band[0] >= band[1]
-    ):
-        raise ValueError(f"update_ratio_band={band!r} must be (low, high) with 0 < low < high, e.g. (1e-6, 0.1)")
+    for name, check, words in _RULES:
+        value = getattr(c, name)
+        error = check(value)
+        if error is not None:
+            raise error(f"{name}={value!r} {words}")
     if c.deferred and c.on_nonfinite != "warn":
         raise ValueError(
             f"deferred=True reads each step's statistics one step late, so on_nonfinite={c.on_nonfinite!r} "
             "cannot act on the step; use on_nonfinite='warn' with deferred=True"
         )
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False")
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
