@@ -101,75 +101,108 @@ class RunReport:
 
     def __rich__(self) -> Any:
         from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
 
-        parts: list[Any] = []
-        head = Table.grid(padding=(0, 2))
-        head.add_column(style="bold")
-        head.add_column()
-        head.add_row("run", self.run_dir)
-        if len(self.runs_in_dir) > 1:
-            head.add_row(
-                "",
-                f"run {self.run_number} of {len(self.runs_in_dir)} in this log_dir"
-                + (f", started {self.started}" if self.started else "")
-                + ": every figure below is this run's",
-            )
-        head.add_row("steps", f"{self.steps} ({self.steps_logged} checked steps logged)")
-        head.add_row("skipped updates", str(self.skipped_steps))
-        if self.nonfinite_steps:
-            head.add_row("steps with non-finite grads", str(self.nonfinite_steps))
-        if self.loss_first is not None and self.loss_last is not None:
-            head.add_row("loss", f"{self.loss_first:.4g} -> {self.loss_last:.4g}")
-        norms = [v for _, v in self.total_norm]
-        if norms:
-            st = _stats(norms)
-            head.add_row(
-                "grad norm",
-                f"min {st['min']:.3g}  median {st['median']:.3g}  max {st['max']:.3g}  last {norms[-1]:.3g}",
-            )
-            head.add_row("grad norm trend", self.sparkline(48))
-            head.add_row("", f"(total norm, log scale, max per bucket, steps {self.total_norm[0][0]} to {self.total_norm[-1][0]})")
-        verdict = Text("healthy: no findings, no skipped updates", style="green") if self.healthy else Text(
-            f"{sum(k.count for k in self.findings)} finding(s) of {len(self.findings)} kind(s)", style="yellow"
-        )
-        head.add_row("verdict", verdict)
-        parts.append(head)
+        parts: list[Any] = [self._head()]
         if self.findings:
-            t = Table(title="findings by kind", title_justify="left", expand=False)
-            for c, j in (("kind", "left"), ("count", "right"), ("first step", "right"), ("last step", "right"), ("severity", "left"), ("where (first)", "left")):
-                t.add_column(c, justify=j)  # type: ignore[arg-type]
-            for k in self.findings:
-                t.add_row(k.kind, str(k.count), _opt(k.first_step), _opt(k.last_step), k.severity or "", k.where or "")
-            parts.append(t)
+            parts.append(_findings_table(self.findings))
         if self.layers:
-            t = Table(title="gradient norm per layer", title_justify="left", expand=False)
-            t.add_column("layer")
-            for c in ("min", "median", "max", "last"):
-                t.add_column(c, justify="right")
-            show_ratio = any(layer.update_ratio is not None for layer in self.layers)
-            if show_ratio:
-                t.add_column("update/weight", justify="right")
-            for layer in self.layers[:MAX_LAYERS_SHOWN]:
-                row = [layer.layer, f"{layer.min:.3g}", f"{layer.median:.3g}", f"{layer.max:.3g}", f"{layer.last:.3g}"]
-                if show_ratio:
-                    row.append("" if layer.update_ratio is None else f"{layer.update_ratio:.2g}")
-                t.add_row(*row)
-            if len(self.layers) > MAX_LAYERS_SHOWN:
-                t.add_row(f"... {len(self.layers) - MAX_LAYERS_SHOWN} more (see --json)", "", "", "", "")
-            parts.append(t)
+            parts.append(_layers_table(self.layers))
         if len(self.runs_in_dir) > 1:
             parts.append(_runs_table(self.runs_in_dir))
         if self.incidents:
-            t = Table(title="incidents", title_justify="left", expand=False)
-            t.add_column("file")
-            t.add_column("title")
-            for inc in self.incidents:
-                t.add_row(inc["file"], inc["title"])
-            parts.append(t)
+            parts.append(_incidents_table(self.incidents))
         return Group(*parts)
 
+    def _head(self) -> Any:
+        """The grid at the top: run, steps, skipped updates, loss, grad norm and the verdict."""
+        from rich.table import Table
+
+        head = Table.grid(padding=(0, 2))
+        head.add_column(style="bold")
+        head.add_column()
+        for label, value in self._head_rows():
+            head.add_row(label, value)
+        head.add_row("verdict", self._verdict())
+        return head
+
+    def _head_rows(self) -> list[tuple[str, str]]:
+        rows = [("run", self.run_dir)]
+        if len(self.runs_in_dir) > 1:
+            started = f", started {self.started}" if self.started else ""
+            rows.append(
+                ("", f"run {self.run_number} of {len(self.runs_in_dir)} in this log_dir{started}: every figure below is this run's")
+            )
+        rows.append(("steps", f"{self.steps} ({self.steps_logged} checked steps logged)"))
+        rows.append(("skipped updates", str(self.skipped_steps)))
+        if self.nonfinite_steps:
+            rows.append(("steps with non-finite grads", str(self.nonfinite_steps)))
+        if self.loss_first is not None and self.loss_last is not None:
+            rows.append(("loss", f"{self.loss_first:.4g} -> {self.loss_last:.4g}"))
+        return rows + self._norm_rows()
+
+    def _norm_rows(self) -> list[tuple[str, str]]:
+        norms = [v for _, v in self.total_norm]
+        if not norms:
+            return []
+        st = _stats(norms)
+        first, last = self.total_norm[0][0], self.total_norm[-1][0]
+        return [
+            ("grad norm", f"min {st['min']:.3g}  median {st['median']:.3g}  max {st['max']:.3g}  last {norms[-1]:.3g}"),
+            ("grad norm trend", self.sparkline(48)),
+            ("", f"(total norm, log scale, max per bucket, steps {first} to {last})"),
+        ]
+
+    def _verdict(self) -> Any:
+        from rich.text import Text
+
+        if self.healthy:
+            return Text("healthy: no findings, no skipped updates", style="green")
+        return Text(f"{sum(k.count for k in self.findings)} finding(s) of {len(self.findings)} kind(s)", style="yellow")
+
+
+def _findings_table(findings: list[KindSummary]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="findings by kind", title_justify="left", expand=False)
+    for c, j in (
+        ("kind", "left"), ("count", "right"), ("first step", "right"), ("last step", "right"), ("severity", "left"),
+        ("where (first)", "left"),
+    ):
+        t.add_column(c, justify=j)  # type: ignore[arg-type]
+    for k in findings:
+        t.add_row(k.kind, str(k.count), _opt(k.first_step), _opt(k.last_step), k.severity or "", k.where or "")
+    return t
+
+
+def _layers_table(layers: list[LayerSummary]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="gradient norm per layer", title_justify="left", expand=False)
+    t.add_column("layer")
+    for c in ("min", "median", "max", "last"):
+        t.add_column(c, justify="right")
+    show_ratio = any(layer.update_ratio is not None for layer in layers)
+    if show_ratio:
+        t.add_column("update/weight", justify="right")
+    for layer in layers[:MAX_LAYERS_SHOWN]:
+        row = [layer.layer, f"{layer.min:.3g}", f"{layer.median:.3g}", f"{layer.max:.3g}", f"{layer.last:.3g}"]
+        if show_ratio:
+            row.append("" if layer.update_ratio is None else f"{layer.update_ratio:.2g}")
+        t.add_row(*row)
+    if len(layers) > MAX_LAYERS_SHOWN:
+        t.add_row(f"... {len(layers) - MAX_LAYERS_SHOWN} more (see --json)", "", "", "", "")
+    return t
+
+
+def _incidents_table(incidents: list[dict[str, str]]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="incidents", title_justify="left", expand=False)
+    t.add_column("file")
+    t.add_column("title")
+    for inc in incidents:
+        t.add_row(inc["file"], inc["title"])
+    return t
 
 def _runs_table(runs: list[dict[str, Any]]) -> Any:
     from rich.table import Table
@@ -279,35 +312,45 @@ def _summarize_dir(d: str) -> list[RunReport]:
 
 def _report(d: str, run: Run, scalars: dict[str, list[tuple[int, float]]], *, from_counters: bool) -> RunReport:
     """The figures of one run: its findings, its event files' scalars, its incident reports."""
-    rep = RunReport(run_dir=d, run_id=run.id, started=_when(run.started))
-    records = run.findings
     totals = sorted(
         ((s, v) for tag, pts in scalars.items() if tag.startswith(PREFIX + "grad_norm/total") for s, v in pts),
         key=lambda sv: sv[0],
     )
-    rep.total_norm = totals
-    steps = [s for pts in scalars.values() for s, _ in pts]
-    if steps:
-        rep.steps = max(steps) + 1
-    rep.steps_logged = len({s for s, _ in totals})
+    loss_first, loss_last = _loss_ends(scalars)
+    return RunReport(
+        run_dir=d,
+        run_id=run.id,
+        started=_when(run.started),
+        total_norm=totals,
+        steps=_steps(scalars, run.findings),
+        steps_logged=len({s for s, _ in totals}),
+        skipped_steps=_skipped_steps(scalars),
+        nonfinite_steps=sum(1 for _, v in scalars.get(PREFIX + "nonfinite_grads") or () if v > 0),
+        loss_first=loss_first,
+        loss_last=loss_last,
+        findings=_kinds(run.findings, scalars if from_counters else {}),
+        layers=_layers(scalars),
+        incidents=[{"file": rel, "title": _first_line(os.path.join(d, rel))} for rel in run.incidents],
+    )
+
+
+def _steps(scalars: dict[str, list[tuple[int, float]]], records: list[dict[str, Any]]) -> int:
+    """How many steps the run made: one past the last step any scalar or finding was logged at."""
+    steps = [s for pts in scalars.values() for s, _ in pts] + [int(r.get("step", 0)) for r in records]
+    return max(0, max(steps) + 1) if steps else 0
+
+
+def _skipped_steps(scalars: dict[str, list[tuple[int, float]]]) -> int:
     skipped = scalars.get(PREFIX + "skipped_steps")
-    if skipped:
-        rep.skipped_steps = int(max(v for _, v in skipped))
-    nonfinite = scalars.get(PREFIX + "nonfinite_grads")
-    if nonfinite:
-        rep.nonfinite_steps = sum(1 for _, v in nonfinite if v > 0)
+    return int(max(v for _, v in skipped)) if skipped else 0
+
+
+def _loss_ends(scalars: dict[str, list[tuple[int, float]]]) -> tuple[float | None, float | None]:
+    """The first and last loss logged (the first optimizer's, with several)."""
     loss = scalars.get(PREFIX + "loss") or next(
         (pts for tag, pts in sorted(scalars.items()) if tag.startswith(PREFIX + "loss_opt")), None
     )
-    if loss:
-        rep.loss_first, rep.loss_last = loss[0][1], loss[-1][1]
-    rep.findings = _kinds(records, scalars if from_counters else {})
-    if records:
-        rep.steps = max(rep.steps, max(int(r.get("step", 0)) for r in records) + 1)
-    rep.layers = _layers(scalars)
-    for rel in run.incidents:
-        rep.incidents.append({"file": rel, "title": _first_line(os.path.join(d, rel))})
-    return rep
+    return (loss[0][1], loss[-1][1]) if loss else (None, None)
 
 
 def _layers(scalars: dict[str, list[tuple[int, float]]]) -> list[LayerSummary]:
