@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.function import Function
 from torch.utils._pytree import tree_map
 
-from gradwatch.core.findings import Finding, _panel
+from gradwatch.core.findings import Explanation, Finding, _panel
 from gradwatch.diagnose.localize import ROOT, code_at, source_text
 from gradwatch.observe.tracing import library_frame
 
@@ -346,34 +346,52 @@ def _held(v: Any) -> Any:
 def _check_call(call: FunctionCall) -> list[InputCheck] | str:
     """Facts per differentiable input, or the reason the Function cannot be checked."""
     wrt = [i for i, r in enumerate(call.requires_grad) if r and call.args[i].is_floating_point()]
+    reason = _input_reason(call, wrt)
+    if reason is not None:
+        return reason
+    args = tuple(_float64(a) for a in call.args)
+    kwargs = {k: _float64(v) for k, v in call.kwargs.items()}
+    with _seeded():
+        measured = _measure(call.cls, args, kwargs, wrt)
+    if isinstance(measured, str):
+        return measured
+    checks, outs = measured
+    if not all(c.ok for c in checks) and _passes_input_through(outs, args):
+        return SKIP_REASONS["identity"]  # a ReLU fed positive values passes too, and is checked when right
+    return checks
+
+
+def _input_reason(call: FunctionCall, wrt: list[int]) -> str | None:
+    """Why the recorded inputs cannot be checked (complex, or none differentiable), or None."""
     tensors = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor)]
     if any(t.is_complex() for t in tensors):
         return SKIP_REASONS["complex"]
     if not wrt:
         return SKIP_REASONS["no_grad_input"]
-    args = tuple(_float64(a) for a in call.args)
-    kwargs = {k: _float64(v) for k, v in call.kwargs.items()}
-    with _seeded():
-        try:
-            leaves, outs = _analytic_forward(call.cls, args, kwargs, wrt)
-        except Exception as exc:  # noqa: BLE001 - the user's forward: a reason, not a crash
-            return SKIP_REASONS["forward_failed"].format(error=_short(exc))
-        reason = _output_reason(outs)
-        if reason is not None:
-            return reason
-        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        gen = torch.Generator().manual_seed(0)
-        v = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in diff]
-        try:
-            grads = torch.autograd.grad(diff, leaves, v, allow_unused=True)
-        except Exception as exc:  # noqa: BLE001
-            return SKIP_REASONS["backward_failed"].format(error=_short(exc))
-        probe = _Probe(call.cls, args, kwargs, [i for i, o in enumerate(outs) if any(o is d for d in diff)], v)
-        names = _input_names(call.cls, len(args))
-        checks = [_check_input(probe, i, names[i], g, gen) for i, g in zip(wrt, grads)]
-    if not all(c.ok for c in checks) and _passes_input_through(outs, args):
-        return SKIP_REASONS["identity"]  # a ReLU fed positive values passes too, and is checked when right
-    return checks
+    return None
+
+
+def _measure(
+    cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrt: list[int]
+) -> tuple[list[InputCheck], list[Any]] | str:
+    """Analytic against numerical gradients of each input in ``wrt`` (and the outputs), or why not."""
+    try:
+        leaves, outs = _analytic_forward(cls, args, kwargs, wrt)
+    except Exception as exc:  # noqa: BLE001 - the user's forward: a reason, not a crash
+        return SKIP_REASONS["forward_failed"].format(error=_short(exc))
+    reason = _output_reason(outs)
+    if reason is not None:
+        return reason
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    v = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in diff]
+    try:
+        grads = torch.autograd.grad(diff, leaves, v, allow_unused=True)
+    except Exception as exc:  # noqa: BLE001
+        return SKIP_REASONS["backward_failed"].format(error=_short(exc))
+    probe = _Probe(cls, args, kwargs, [i for i, o in enumerate(outs) if any(o is d for d in diff)], v)
+    names = _input_names(cls, len(args))
+    return [_check_input(probe, i, names[i], g, gen) for i, g in zip(wrt, grads)], outs
 
 
 def _analytic_forward(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrt: list[int]) -> tuple[Any, Any]:
@@ -558,20 +576,26 @@ def _finding(call: FunctionCall, checks: list[InputCheck], step: int) -> Finding
     where = f" in module {call.module}" if call.module not in (None, ROOT) else ""
     line = f"\n    {call.source}" + (f"\n      {call.code}" if call.code else "") if call.source else ""
     more = f" (it ran {call.calls} times from this line; the first call was checked)" if call.calls > 1 else ""
-    message = (
-        f"{name}.backward returns a wrong gradient for {inputs}: it disagrees with finite differences of "
-        f"{name}.forward on the inputs it received{where}{more}.{line}\n{facts} A wrong backward raises nothing "
-        "and makes no NaN: the optimizer follows a wrong gradient, and the model learns worse or not at all.\n"
-        f"Fix: derive {name}.backward again from forward: it returns, for each forward input in order, "
-        "grad_output times the derivative of the output with respect to that input (for x ** 3: "
-        "grad_output * 3 * x ** 2), and None only for inputs that need no gradient. Check it again with "
-        "gradwatch.gradcheck(model, batch)."
+    explanation = Explanation(
+        # The facts, and why a wrong backward matters, follow the first line unlabelled.
+        what=(
+            f"{name}.backward returns a wrong gradient for {inputs}: it disagrees with finite differences of "
+            f"{name}.forward on the inputs it received{where}{more}.{line}\n{facts} A wrong backward raises "
+            "nothing and makes no NaN: the optimizer follows a wrong gradient, and the model learns worse or not "
+            "at all."
+        ),
+        fix=(
+            f"derive {name}.backward again from forward: it returns, for each forward input in order, "
+            "grad_output times the derivative of the output with respect to that input (for x ** 3: "
+            "grad_output * 3 * x ** 2), and None only for inputs that need no gradient. Check it again with "
+            "gradwatch.gradcheck(model, batch)."
+        ),
     )
     return Finding(
         kind=KIND,
         step=step,
         severity="error",
-        message=message,
+        explanation=explanation,
         module=call.module,
         op=f"{name}Backward",
         data={

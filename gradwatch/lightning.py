@@ -40,7 +40,7 @@ import torch
 from gradwatch.core.config import Config, OnNonfinite, make_config
 from gradwatch.core.engine import Engine, failed_trial_loss
 from gradwatch.core.extensions import default_extensions
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import _stepping
@@ -265,6 +265,32 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
             self.engine = None
 
     def _build(self, trainer: Any, pl_module: Any) -> None:
+        carried = self._carried_state(trainer)
+        self.engine = None
+        rank_zero = bool(trainer.is_global_zero)
+        optimizers = [o for o in (_unwrap(o) for o in trainer.optimizers) if o is not None]
+        idle = _idle_reason(pl_module, optimizers)
+        if idle is not None:
+            if rank_zero:
+                safe_warn(idle, UserWarning, stacklevel=3)
+            return
+        engine = self._make_engine(trainer, pl_module, optimizers, rank_zero)
+        if carried is not None:
+            engine.load_state_dict(carried)
+            self._run_id = engine.run_id  # a resumed fit continues the checkpoint's run
+        self._pending_state = None
+        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._loss_scaler = _scaler(trainer)
+        self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
+        self._in_step.clear()
+        self._checked.clear()
+        self._reevaluations.clear()
+        self._skip_pending.clear()
+        self._backward_seen = False
+        self._hook_optimizers(optimizers)
+
+    def _carried_state(self, trainer: Any) -> dict[str, Any] | None:
+        """The state this fit continues from (a checkpoint's, or this Trainer's previous fit's), if any."""
         carried = self._pending_state
         previous = self._fitted_with() if self._fitted_with is not None else None
         if carried is None and self.engine is not None and previous is trainer:
@@ -276,28 +302,10 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
             self._run_id = new_run_id()
         self._fitted_with = weakref.ref(trainer)
         self._pending_state = carried
-        self.engine = None
-        rank_zero = bool(trainer.is_global_zero)
-        if not any(p.requires_grad for p in pl_module.parameters()):
-            if rank_zero:
-                safe_warn(
-                    f"gradwatch: {type(pl_module).__name__} has no trainable parameters (none with "
-                    "requires_grad=True), so there are no gradients to watch and GradWatchCallback does "
-                    "nothing in this run. Unfreeze some parameters, or remove the callback.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return
-        optimizers = [o for o in (_unwrap(o) for o in trainer.optimizers) if o is not None]
-        if not optimizers:
-            if rank_zero:
-                safe_warn(
-                    "gradwatch: the Trainer has no optimizer (configure_optimizers returned none), so "
-                    "GradWatchCallback has no optimizer step to check and does nothing in this run.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return
+        return carried
+
+    def _make_engine(self, trainer: Any, pl_module: Any, optimizers: list[Any], rank_zero: bool) -> Engine:
+        """The engine for this fit, with the default extensions and the clip ratio (set as ``self.engine``)."""
         writer, writer_dir = _tensorboard_writer(trainer) if rank_zero else (None, None)
         records = _records_dir(trainer) if self.config.log_dir is None else None  # on every rank: a collective
         engine = Engine(
@@ -313,25 +321,16 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
         how, clip = _clipping(trainer, pl_module)
         manual = not bool(getattr(pl_module, "automatic_optimization", True))
         engine.add_extension(ClipRatio(clip, how=how, manual=manual))
-        if carried is not None:
-            engine.load_state_dict(carried)
-            self._run_id = engine.run_id  # a resumed fit continues the checkpoint's run
-        self._pending_state = None
-        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
-        self._loss_scaler = _scaler(trainer)
-        self._optimizer_ids = {id(o): i for i, o in enumerate(optimizers)}
-        self._in_step.clear()
-        self._checked.clear()
-        self._reevaluations.clear()
-        self._skip_pending.clear()
-        self._backward_seen = False
+        return engine
+
+    def _hook_optimizers(self, optimizers: list[Any]) -> None:
         for i, opt in enumerate(optimizers):
             # SAM-style wrappers update through their base optimizer's step() (first_step/second_step):
             # the hooks go where the update is applied, as in a plain loop.
             try:
                 stepping = _stepping(opt)
             except TypeError as exc:  # no step hooks: checked from Lightning's hooks only
-                safe_warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=3)
+                safe_warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=4)
                 continue
             if stepping is not opt:
                 self._optimizer_ids.setdefault(id(stepping), i)
@@ -487,14 +486,18 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
                 kind="grads_cleared_before_step",
                 step=stats.step,
                 severity="error",
-                message=(
-                    f"optimizer {index}.step() at step {stats.step} found no gradient: all {n} gradients were set to "
-                    "None after backward and after gradwatch's check, by the LightningModule's own "
-                    "on_before_optimizer_step (or configure_gradient_clipping), which Lightning runs after the "
-                    "callbacks' hooks.\n"
-                    "Why it matters: the step applies no gradient; the model does not learn.\n"
-                    "Fix: remove optimizer.zero_grad() (or p.grad = None) from that hook: Lightning clears the "
-                    "gradients itself after each optimizer step."
+                explanation=Explanation(
+                    what=(
+                        f"optimizer {index}.step() at step {stats.step} found no gradient: all {n} gradients were "
+                        "set to None after backward and after gradwatch's check, by the LightningModule's own "
+                        "on_before_optimizer_step (or configure_gradient_clipping), which Lightning runs after the "
+                        "callbacks' hooks."
+                    ),
+                    why="the step applies no gradient; the model does not learn.",
+                    fix=(
+                        "remove optimizer.zero_grad() (or p.grad = None) from that hook: Lightning clears the "
+                        "gradients itself after each optimizer step."
+                    ),
                 ),
                 params=tuple(stats.names[:n]),
                 data={"optimizer": index, "after_check": True, "count": n},
@@ -635,6 +638,22 @@ def _require_instance(obj: Any) -> None:
             "Trainer(callbacks=[...]) got the class GradWatchCallback instead of an instance; "
             "pass GradWatchCallback(...), e.g. Trainer(callbacks=[GradWatchCallback(on_nonfinite='skip')])"
         )
+
+
+def _idle_reason(pl_module: Any, optimizers: list[Any]) -> str | None:
+    """Why the callback has nothing to watch in this fit (the warning it gives), or None."""
+    if not any(p.requires_grad for p in pl_module.parameters()):
+        return (
+            f"gradwatch: {type(pl_module).__name__} has no trainable parameters (none with "
+            "requires_grad=True), so there are no gradients to watch and GradWatchCallback does "
+            "nothing in this run. Unfreeze some parameters, or remove the callback."
+        )
+    if not optimizers:
+        return (
+            "gradwatch: the Trainer has no optimizer (configure_optimizers returned none), so "
+            "GradWatchCallback has no optimizer step to check and does nothing in this run."
+        )
+    return None
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradwatch.core.config import make_config
 from gradwatch.core.engine import Engine, _weak_method, failed_trial_loss
 from gradwatch.core.extensions import default_extensions
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.open_watchers import open_watchers, register
 from gradwatch.observe.distributed import is_rank_zero
 from gradwatch.report import internal_warning
@@ -452,13 +452,13 @@ _INNER = ("optimizer", "optim", "_optimizer", "inner_optimizer", "opt")
 RECREATED_STEPS = 3
 
 
-def _optimizer_finding(kind: str, optimizer: Any, names: list[str], step: int, message: str) -> Finding:
+def _optimizer_finding(kind: str, optimizer: Any, names: list[str], step: int, explanation: Explanation) -> Finding:
     """A warning about an optimizer gradwatch does not watch, over ``names`` of the watched model."""
     return Finding(
         kind=kind,
         step=step,
         severity="warning",
-        message=message,
+        explanation=explanation,
         params=tuple(names),
         data={"optimizer_class": type(optimizer).__name__, "count": len(names)},
     )
@@ -467,14 +467,22 @@ def _optimizer_finding(kind: str, optimizer: Any, names: list[str], step: int, m
 def _unwatched_finding(optimizer: Any, names: list[str], step: int) -> Finding:
     return _optimizer_finding(
         "unwatched_optimizer", optimizer, names, step,
-        f"An optimizer gradwatch does not watch ({type(optimizer).__name__}) is updating {len(names)} parameter(s) "
-        f"of the watched model at step {step}: {names_text(names)}. gradwatch checks updates inside the watched "
-        "optimizers' step() only, so this one's updates are not checked: a NaN/Inf in them is neither "
-        "skipped nor reported.\n"
-        "Why it matters: usually the optimizer was re-created after watch() (fine-tuning, a restart with "
-        "another learning rate), or a second optimizer was left out.\n"
-        "Fix: watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
-        "gw = gradwatch.watch(model, [opt_a, opt_b]).",
+        Explanation(
+            what=(
+                f"An optimizer gradwatch does not watch ({type(optimizer).__name__}) is updating {len(names)} "
+                f"parameter(s) of the watched model at step {step}: {names_text(names)}. gradwatch checks updates "
+                "inside the watched optimizers' step() only, so this one's updates are not checked: a NaN/Inf in "
+                "them is neither skipped nor reported."
+            ),
+            why=(
+                "usually the optimizer was re-created after watch() (fine-tuning, a restart with another learning "
+                "rate), or a second optimizer was left out."
+            ),
+            fix=(
+                "watch every optimizer that updates the model, and watch a re-created one anew: gw.close(); "
+                "gw = gradwatch.watch(model, [opt_a, opt_b])."
+            ),
+        ),
     )
 
 
@@ -482,15 +490,22 @@ def _recreated_finding(optimizer: Any, names: list[str], step: int, each: int) -
     every = "for every step" if each == 1 else f"every {each} steps"
     return _optimizer_finding(
         "optimizer_recreated", optimizer, names, step,
-        f"A new optimizer ({type(optimizer).__name__}) over the same {len(names)} parameter(s) of the watched "
-        f"model is created {every} (the third one at step {step}): {names_text(names)}.\n"
-        "Why it matters: each one starts with an empty state, so the optimizer's memory is thrown away at "
-        "every update: momentum never builds up, Adam's moments restart (its bias correction makes every "
-        "update about lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler "
-        "built on one of them drives none of the later ones. None of these updates is checked by gradwatch "
-        "either.\n"
-        "Fix: create the optimizer once, before the training loop (not inside it), and watch that one: "
-        "gradwatch.watch(model, optimizer).",
+        Explanation(
+            what=(
+                f"A new optimizer ({type(optimizer).__name__}) over the same {len(names)} parameter(s) of the "
+                f"watched model is created {every} (the third one at step {step}): {names_text(names)}."
+            ),
+            why=(
+                "each one starts with an empty state, so the optimizer's memory is thrown away at every update: "
+                "momentum never builds up, Adam's moments restart (its bias correction makes every update about "
+                "lr * sign(gradient), whatever the gradient's size), and a learning-rate scheduler built on one "
+                "of them drives none of the later ones. None of these updates is checked by gradwatch either."
+            ),
+            fix=(
+                "create the optimizer once, before the training loop (not inside it), and watch that one: "
+                "gradwatch.watch(model, optimizer)."
+            ),
+        ),
     )
 
 

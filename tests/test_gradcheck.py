@@ -285,6 +285,14 @@ def test_a_cube_whose_backward_returns_grad_times_2_is_named_with_its_line_modul
     assert result.checked == ["Cube"] and not result.ok
 
 
+def test_a_wrong_backward_carries_its_words_as_an_explanation() -> None:
+    (f,) = gradwatch.gradcheck(net(Apply(Cube)), batch()).findings
+    assert f.explanation is not None and f.message == f.explanation.render()
+    assert f.explanation.what.startswith("Cube.backward returns a wrong gradient for `x` (argument 0)")
+    assert f.explanation.fix.startswith("derive Cube.backward again from forward")
+    assert f.fix == f.explanation.fix
+
+
 def test_a_transposed_weight_gradient_of_a_matmul_names_the_weight_only() -> None:
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(8, 8))

@@ -221,6 +221,9 @@ def test_gradients_cleared_in_the_modules_on_before_optimizer_step_are_found() -
     assert zero_kinds(cb) == [("grads_cleared_before_step", 0)]
     (f,) = [f for f in cb.findings if f.kind == "grads_cleared_before_step"]
     assert "on_before_optimizer_step" in f.message and f.data["after_check"]
+    assert f.explanation is not None and f.message == f.explanation.render()
+    assert f.explanation.why == "the step applies no gradient; the model does not learn."
+    assert f.fix.startswith("remove optimizer.zero_grad() (or p.grad = None) from that hook")
 
 
 def test_the_modules_own_clipping_in_its_hook_is_silent() -> None:

@@ -480,3 +480,24 @@ def test_a_warm_up_to_a_usual_weight_decay_is_not_flagged() -> None:
             loss.backward()
             opt.step()
     assert not any(f.kind == "weight_decay_too_large" for f in gw.findings)
+
+
+def test_unwatched_and_recreated_optimizers_carry_their_words_as_explanations() -> None:
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for x, y in data(6):
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    unwatched, recreated = gw.findings
+    for f in (unwatched, recreated):
+        assert f.explanation is not None and f.message == f.explanation.render()
+    assert unwatched.explanation.what.startswith("An optimizer gradwatch does not watch (Adam)")
+    assert unwatched.explanation.why.startswith("usually the optimizer was re-created after watch()")
+    assert unwatched.fix.startswith("watch every optimizer that updates the model")
+    assert recreated.explanation.what.startswith("A new optimizer (Adam) over the same 4 parameter(s)")
+    assert recreated.explanation.why.startswith("each one starts with an empty state")
+    assert recreated.fix.startswith("create the optimizer once, before the training loop")
