@@ -13,9 +13,9 @@ from torch import nn
 from gradwatch.diagnose.localize import (
     Localizer,
     Site,
-    _first_birth,
     absorbed,
     first_bad_module,
+    first_birth,
     first_seen,
     forward_finite,
     last_finite,
@@ -29,38 +29,38 @@ NEG_INF = [0.0, 1.0, 0.0, math.inf, -math.inf, 1.0]
 
 def test_first_birth_is_the_first_op_going_non_finite_from_finite_inputs() -> None:
     ops = [(False, FINITE, FINITE), (False, FINITE, INF), (False, INF, NAN)]
-    assert _first_birth(ops) == 1
+    assert first_birth(ops) == 1
 
 
 def test_first_birth_skips_an_intended_mask_and_finds_the_nan_it_makes() -> None:
     # masked_fill(-inf), then softmax over a fully masked row: the NaN is born in the softmax.
     ops = [(True, FINITE, NEG_INF), (False, NEG_INF, NAN)]
-    assert _first_birth(ops, ["Tensor.masked_fill", "torch.softmax"]) == 1
+    assert first_birth(ops, ["Tensor.masked_fill", "torch.softmax"]) == 1
 
 
 def test_first_birth_blames_an_explicit_inf_given_to_an_op_that_is_no_mask() -> None:
     ops = [(True, FINITE, INF), (False, INF, NAN)]
-    assert _first_birth(ops, ["Tensor.mul", "torch.sub"]) == 0
+    assert first_birth(ops, ["Tensor.mul", "torch.sub"]) == 0
 
 
 def test_first_birth_without_names_blames_the_nan_not_the_explicit_inf() -> None:
     ops = [(True, FINITE, INF), (False, INF, NAN)]
-    assert _first_birth(ops) == 1
+    assert first_birth(ops) == 1
 
 
 def test_first_birth_names_a_sentinel_that_reached_the_loss() -> None:
     ops = [(False, FINITE, FINITE), (True, FINITE, INF), (False, INF, INF)]
-    assert _first_birth(ops, ["torch.add", "Tensor.mul", "torch.sum"]) == 1
+    assert first_birth(ops, ["torch.add", "Tensor.mul", "torch.sum"]) == 1
 
 
 def test_first_birth_ignores_an_intended_inf_the_forward_absorbed() -> None:
     ops = [(True, FINITE, NEG_INF), (False, NEG_INF, FINITE)]
-    assert _first_birth(ops, ["Tensor.masked_fill", "torch.softmax"]) is None
+    assert first_birth(ops, ["Tensor.masked_fill", "torch.softmax"]) is None
 
 
 def test_first_birth_of_nothing_is_none() -> None:
-    assert _first_birth([]) is None
-    assert _first_birth([(False, FINITE, FINITE), (False, None, None)]) is None
+    assert first_birth([]) is None
+    assert first_birth([(False, FINITE, FINITE), (False, None, None)]) is None
 
 
 def test_forward_finite_when_every_output_is() -> None:

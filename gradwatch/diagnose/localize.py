@@ -603,7 +603,7 @@ class Localizer:
 
     def _forward_origin(self, r: Readings) -> Origin | None:
         """The forward op where a non-finite value was born (the aten op inside a composite one), if any."""
-        found = _first_birth([(i, b, a) for _s, _n, i, b, a, _r in r.ops], [str(s.func) for s, *_r in r.ops])
+        found = first_birth([(i, b, a) for _s, _n, i, b, a, _r in r.ops], [str(s.func) for s, *_r in r.ops])
         if found is None:
             return None
         site, node, intent, before, after, (start, end) = r.ops[found]
@@ -621,7 +621,7 @@ class Localizer:
             explicit_operand=intent,
         )
         if end - start > 1:  # a composite function: name the aten op inside it
-            inner = _first_birth([(i, b, a) for _n, i, b, a in r.aten[start:end]])
+            inner = first_birth([(i, b, a) for _n, i, b, a in r.aten[start:end]])
             if inner is not None:
                 _refine(origin, node, r.aten[start + inner])
         return origin
@@ -808,7 +808,7 @@ def _nan_made(before: list[float] | None, after: list[float] | None) -> bool:
     return after is not None and bool(after[0]) and (before is None or not before[0])
 
 
-def _first_birth(
+def first_birth(
     ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None = None
 ) -> int | None:
     """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries
