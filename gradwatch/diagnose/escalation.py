@@ -62,31 +62,24 @@ Finding kinds:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import sys
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradwatch.core.findings import Finding
-from gradwatch.core.params import fabric_redirect, user_module
+from gradwatch.core.params import user_module
 from gradwatch.diagnose import bad_values, graph_walk
 from gradwatch.diagnose.capture import (
     MAX_CALLS,
     MAX_GRADS,
-    Batch,
     Call,
     all_finite,
-    autocast_state,
     nonfinite_flags,
     nonfinite_inputs,
     output_leaves,
-    step_inputs,
 )
 from gradwatch.diagnose.incident import (
     MAX_REPORTS,
@@ -118,20 +111,10 @@ from gradwatch.diagnose.reentrant import (
 )
 from gradwatch.diagnose.replay import (
     ReplayResult,
-    checkpoint_not_reentrant,
-    lightning_order,
-    no_collectives,
-    replay_call,
-    replay_lightning,
-    replay_model,
-    replay_verdict,
-    screen_call,
-    suspect_calls,
-    unscreened,
-    upstream_state,
 )
+from gradwatch.diagnose.replayer import Replayer
+from gradwatch.diagnose.step_capture import StepCapture
 from gradwatch.diagnose.window import EscalationWindow
-from gradwatch.observe.module_hooks import owned
 from gradwatch.observe.tracing import is_compiled
 from gradwatch.report import internal_warning
 
@@ -179,23 +162,10 @@ class Escalation:
         self.reports: list[str] = []
         self.localizations: list[tuple[int, Localization]] = []
         self.window = EscalationWindow()
-        self._hooks: list[Any] = []
-        self._calls: list[Call] = []
-        self._forwards = 0  # forward calls captured since the latest optimizer step (_calls keeps MAX_CALLS)
-        self._batches: list[Batch] = []
-        self._culprit: Any = None
-        self._mark = -1
+        self.capture = StepCapture(self.window, integration)
+        self.replayer = Replayer(self.capture, self.window)
         self._handled: tuple[int, int] | None = None
-        self._replaying = False
-        #: The torch.distributed collective a replay stopped at (see no_collectives), None when it ran through.
-        self.collective: str | None = None
         self._poison_reported = False
-        self._half_loss = False  # a loss of this step was computed in float16 (read by nonfinite_loss)
-        self._under_compile = False  # the watched model's forward was seen inside a Dynamo trace
-        self._redirect: Any = None  # the arguments of Fabric's training_step call now running (not a forward)
-        #: Between steps (and after close): the last step's index and its forward calls' ``(args, kwargs, rng
-        #: state)``, references only, for ``Watcher.gradcheck()``; dropped when the next step's forward starts.
-        self.last_step: tuple[int, list[tuple[Any, Any, Any]]] | None = None
 
     @property
     def active(self) -> bool:
@@ -209,7 +179,25 @@ class Escalation:
     @property
     def replaying(self) -> bool:
         """Whether a localization replay (or ``Watcher.gradcheck``'s forward) is running: it must update nothing."""
-        return self._replaying
+        return self.capture.replaying
+
+    @property
+    def _replaying(self) -> bool:  # the older name, set by ``Watcher.gradcheck`` around its forwards
+        return self.capture.replaying
+
+    @_replaying.setter
+    def _replaying(self, value: bool) -> None:
+        self.capture.replaying = value
+
+    @property
+    def last_step(self) -> tuple[int, list[tuple[Any, Any, Any]]] | None:
+        """Between steps (and after close): the last step's index and its forward calls' ``(args, kwargs, rng
+        state)``, references only, for ``Watcher.gradcheck()``; dropped when the next step's forward starts."""
+        return self.capture.last_step
+
+    @property
+    def _calls(self) -> list[Call]:
+        return self.capture.calls
 
     # -- attach / cheap mode -----------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -220,111 +208,15 @@ class Escalation:
         # directly, so only its own forward is sure to run (and the replay then runs no strategy wrapper's
         # collectives, e.g. DDP's buffer broadcast, on this rank alone).
         self.model = user_module(engine.model) if isinstance(engine.model, nn.Module) else None
+        self.capture.engine, self.capture.model = engine, self.model
+        self.replayer.engine, self.replayer.model = engine, self.model
         if not engine.config.escalate or self.model is None:
             return
         observers = getattr(engine, "loss_observers", None)
         if observers is not None:
-            observers.append(self._on_loss)
-        if self.integration != "plain":
-            return
-        model = self.model
-        self._hooks.append(owned(model, model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True)))
-        self._hooks.append(owned(model, model.register_forward_hook(self._on_forward_end, with_kwargs=True)))
-
-    def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
-            return
-        if fabric_redirect(module):
-            # Fabric calling training_step through DDP: its arguments are the batch, its output the loss; the
-            # model's own call inside (self(x)) is the forward to keep.
-            self._redirect = args
-            return
-        if not self._under_compile and torch.compiler.is_compiling():
-            # The watched module runs inside a torch.compile'd wrapper (watch(model) of compile(model)):
-            # its escalation window must add no function mode or hooks to the trace either.
-            self._under_compile = True
-        if self._next_step():
-            self.last_step = None
-        engine = self.engine
-        if engine.config.every > 1 and not any(engine.should_check(i) for i in range(len(engine.step_counts))):
-            return  # this step is not checked: keep nothing
-        self._keep(Call(args, kwargs, autocast_state()))
-        if self.window.is_open and not self._under_compile:
-            self.window.forward_start()
-
-    def _next_step(self) -> bool:
-        """Whether an optimizer step happened since the last capture (then the held calls are released)."""
-        mark = sum(self.engine.step_counts)
-        if mark == self._mark:
-            return False
-        self._mark = mark
-        self._new_step()
-        return True
-
-    def _keep(self, call: Call) -> None:
-        calls = self._calls
-        calls.append(call)
-        self._forwards += 1
-        if len(calls) > MAX_GRADS:
-            calls[-MAX_GRADS - 1].fold()
-        if len(calls) > MAX_CALLS:
-            calls.pop(0).release()
-
-    def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if args is self._redirect:
-            self._redirect = None
-            return
-        if self._replaying or not self._calls or not torch.is_grad_enabled():
-            return
-        call = self._calls[-1]
-        if isinstance(output, torch.Tensor):
-            call.outputs = [weakref.ref(output)]
-            if output.requires_grad:
-                output.register_hook(functools.partial(call.set_grad, 0))
-                call.nodes, call.node_index = (output.grad_fn,), (0,)
-            return
-        nodes, index = [], []
-        leaves = output_leaves(output)
-        call.outputs = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)][:MAX_CALLS]
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(call.set_grad, i))
-                nodes.append(t.grad_fn)
-                index.append(i)
-        call.nodes, call.node_index = tuple(nodes), tuple(index)
-
-    def _on_loss(self, loss: torch.Tensor) -> None:
-        """``observe_loss`` (before backward in the documented loop): O(1) outside an escalation window."""
-        if self._replaying:
-            return
-        if loss.dtype == torch.float16:
-            self._half_loss = True
-        try:
-            if self.integration == "lightning":
-                if self._batches and len(self._batches[-1].losses) < MAX_CALLS:
-                    self._batches[-1].losses.append(loss.detach())
-                return
-            if loss.grad_fn is None or not self._calls:
-                return
-            call = self._calls[-1]
-            if len(call.losses) < MAX_GRADS:
-                # A reference (the graph's nodes, not its activations, which backward frees): says which
-                # micro-batch went non-finite and names the loss code's ops on an incident.
-                call.losses.append(loss if call.held else loss.detach())
-            live = self.window.live
-            if live is not None and self.window.live_used:
-                # Escalated: the loss code's backward nodes get the localizer's hooks too, so a NaN born
-                # between the model's output and the loss is named with its op and line.
-                live.hook_graph([loss], outside=True)
-        except Exception as exc:  # noqa: BLE001
-            internal_warning("Escalation.observe_loss", exc, owner=self.engine)
-
-    def _new_step(self) -> None:
-        for call in self._calls:
-            call.release()
-        self._calls.clear()
-        self._forwards = 0
-        self.window.reset_live()
+            observers.append(self.capture.on_loss)
+        if self.integration == "plain":
+            self.capture.attach(engine, self.model)
 
     def lightning_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Called by ``GradWatchCallback.on_train_batch_start``: keep a reference to the batch and, in an
@@ -341,23 +233,17 @@ class Escalation:
         Every batch of the current accumulation cycle is kept (at most ``MAX_CALLS``): the replay picks
         the one whose loss was non-finite.
         """
-        mark = sum(self.engine.step_counts) if self.engine is not None else self._mark
-        if mark != self._mark:  # an optimizer step happened since: a new accumulation cycle
-            self._mark = mark
-            self._batches = []
-        self._batches.append(Batch(batch, batch_idx, trainer, pl_module if pl_module is not None else self.model))
-        if len(self._batches) > MAX_CALLS:
-            del self._batches[0]
+        self.capture.capture_batch(batch, batch_idx, trainer, pl_module if pl_module is not None else self.model)
 
     # -- escalation window -------------------------------------------------------------------------
     def _open_window(self, step: int) -> None:
         if not self.window.open(step, self.engine.config.escalate_steps):
             return
         self.engine.escalated = True
-        if self._under_compile:
+        if self.capture.under_compile:
             self.window.anomaly_on()  # here, at the step: inside Dynamo's trace it would break the graph
         if self.integration == "plain" and self.model is not None and not is_compiled(self.model) and not (
-            self._under_compile
+            self.capture.under_compile
         ):
             # A compiled model's forward runs inside Dynamo's trace, where the live localizer's function
             # modes would cost graph breaks and recompiles: there the window is anomaly mode only.
@@ -371,7 +257,7 @@ class Escalation:
     def _escalated_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.window.restore_checkpoint()
         live = self.window.live
-        if live is None or self._replaying or not live.recording:
+        if live is None or self.capture.replaying or not live.recording:
             return
         live.stop_forward()
         try:
@@ -387,9 +273,9 @@ class Escalation:
             internal_warning("Escalation.hook_graph", exc, owner=self.engine)
 
     def before_sync(self, ctx: Any) -> None:
-        if self._half_loss:
+        if self.capture.half_loss:
             # A float16 loss that goes Inf has overflowed 65504 (squared errors above 256): nonfinite_loss says so.
-            self._half_loss = False
+            self.capture.half_loss = False
             ctx.stats.extra["loss_dtype"] = "float16"
         if ctx.stats.none_grad and self.active and reentrant_no_grad_warned():
             ctx.stats.extra["reentrant_cut"] = self.reentrant_cut  # called by none_grad when it reports only
@@ -398,34 +284,24 @@ class Escalation:
             ctx.stats.extra["step_inputs"] = self.step_inputs()
 
     def step_inputs(self) -> tuple[int, bool, frozenset[int]]:
-        """The model inputs of this step so far: how many (forward calls; Lightning batches), whether an
-        input tensor requires grad (an adversarial example), and the batch sizes (leading dimensions)."""
-        if self.integration == "lightning":
-            return step_inputs([b.batch for b in self._batches], len(self._batches)).as_tuple()
-        return step_inputs([(c.args, c.kwargs) for c in self._calls], self._forwards).as_tuple()
+        """See :meth:`StepCapture.step_inputs`."""
+        return self.capture.step_inputs()
 
     def after_step(self, stats: Any, decision: str) -> None:
         if stats.optimizer_index == len(self.engine.step_counts) - 1:
             # Release the step's inputs and output gradients as soon as no optimizer needs them. A
             # Lightning batch stays until the next one starts: with several optimizers stepping inside
             # one training_step (manual GAN), the last-listed one may step first.
-            inputs = [(c.args, c.kwargs, c.rng) for c in self._calls]
-            self._new_step()
-            self.last_step = (stats.step, inputs) if inputs else None
+            self.capture.end_step(stats.step)
         if stats.optimizer_index == 0 and self.window.count_step(stats.step):
             self._close_window()
 
     def close(self) -> None:
         self._close_window()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._new_step()
-        self._batches = []
-        self._redirect = None
+        self.capture.close()
         observers = getattr(self.engine, "loss_observers", None)
-        if observers is not None and self._on_loss in observers:
-            observers.remove(self._on_loss)
+        if observers is not None and self.capture.on_loss in observers:
+            observers.remove(self.capture.on_loss)
 
     # -- the incident ------------------------------------------------------------------------------
     def on_incident(self, stats: Any, findings: list[Finding]) -> list[Finding]:
@@ -439,11 +315,11 @@ class Escalation:
             # Only another rank saw it: a local replay has nothing to find here, and under sharded
             # parameters it would run collectives on this rank alone.
             return []
-        self.collective = None
-        if self._handled == (stats.step, self._mark):
+        self.replayer.collective = None
+        if self._handled == (stats.step, self.capture.mark):
             return []  # a second optimizer of the same step: the first one's findings name the origin
-        self._handled = (stats.step, self._mark)
-        self._culprit = None
+        self._handled = (stats.step, self.capture.mark)
+        self.replayer.culprit = None
         layers = layer_table(stats)
         found = self._diagnose(stats, layers)
         if found.final:
@@ -452,7 +328,7 @@ class Escalation:
         result = found.result
         if result is None and not found.bad_inputs and self._no_forward():
             out.append(no_forward_finding(stats.step, self.model))
-        note = replay_note(result is not None or bool(found.bad_inputs), self.collective)
+        note = replay_note(result is not None or bool(found.bad_inputs), self.replayer.collective)
         if result is not None and found.origin is not None and result.named:
             restated, findings = restate_checks(findings, stats.step, result.loc.origin)
             if restated is not None:
@@ -463,7 +339,7 @@ class Escalation:
 
     def _no_forward(self) -> bool:
         """The watched model's own forward did not run this step (plain loop)."""
-        return self.integration == "plain" and not self._calls and self._forwards == 0
+        return self.integration == "plain" and not self._calls and self.capture.forwards == 0
 
     def _diagnose(self, stats: Any, layers: list[dict[str, Any]]) -> _Diagnosis:
         """The incident's findings, from its facts in order: bad inputs, bad weights, then a localization."""
@@ -479,7 +355,7 @@ class Escalation:
         self._poison_reported = False
         if stats.extra.get("raised") and self.integration != "plain" and not stats.extra.get("anomaly_nan"):
             return _Diagnosis([], final=True)  # the training code raised: training_step is not replayed in a failing Trainer
-        result = self._localize()
+        result = self.replayer.localize()
         if result is not None:
             self._add_precision_facts(result)
         minus_inf = self._unabsorbed_minus_inf(result)
@@ -505,10 +381,11 @@ class Escalation:
     def _add_precision_facts(self, result: ReplayResult) -> None:
         """What the replayed call's loss and precision add to ``result``: its observed loss was non-finite, it
         ran under float16 autocast, or the model's weights are float16 (model.half(), precision="16-true")."""
-        if self._culprit is not None:
-            losses = getattr(self._culprit, "losses", ())
+        culprit = self.replayer.culprit
+        if culprit is not None:
+            losses = getattr(culprit, "losses", ())
             result.loss_nonfinite = any(not bool(torch.isfinite(l).all()) for l in losses if l.is_floating_point())
-            state = getattr(self._culprit, "autocast", None) or ()
+            state = getattr(culprit, "autocast", None) or ()
             result.half = any(dtype == torch.float16 for _device, dtype in state)
         if not result.half:
             result.half_weights = any(
@@ -538,41 +415,7 @@ class Escalation:
         return _Diagnosis(out, result=result, origin=origin)
 
     def _source(self) -> list[Any]:
-        if self.integration == "lightning":
-            return list(self._batches)
-        return list(self._calls)
-
-    def _replay_order(self) -> Iterator[Any]:
-        """The step's calls (batches) to replay, those that saw the non-finite value first (lazily: the
-        caller stops at the first that localizes it).
-
-        Plain loop: calls whose output gradient or loss was non-finite (at most ``MAX_REPLAYS``), then the
-        first other call whose plain, unlocalized replay turns non-finite (a NaN born inside the model
-        leaves the output gradient finite). Lightning: batches whose loss was non-finite, then the others
-        (``training_step`` is the only way to replay them), at most ``MAX_REPLAYS`` in all.
-        """
-        sources = self._source()
-        if len(sources) <= 1:
-            yield from sources
-        elif self.integration == "lightning":
-            yield from lightning_order(sources)
-        else:
-            suspects = suspect_calls(sources)
-            yield from suspects
-            yield from self._screened(sources, suspects)
-
-    def _screened(self, calls: list[Call], suspects: list[Call]) -> Iterator[Call]:
-        """The first call besides ``suspects`` whose plain replay turns non-finite."""
-        try:
-            for call in calls:
-                if not any(call is c for c in suspects) and self._screen_call(call):
-                    yield call
-                    return
-        except Exception as exc:  # noqa: BLE001 - a failed screening: replay the held calls as they are
-            if self.collective is not None:
-                return  # the forward (or backward) runs a collective: no replay on this rank alone
-            internal_warning("Escalation.replay", exc, owner=self.engine)
-            yield from unscreened(calls, suspects)
+        return self.capture.sources()
 
     def nonfinite_inputs(self, *, minus_inf: bool = False) -> list[tuple[str, int, int]]:
         """``(name, NaN count, Inf count)`` of the step's captured inputs that hold NaN/Inf (``minus_inf``:
@@ -621,65 +464,7 @@ class Escalation:
             return {}
         return bad_values.embedding_rows(self.model, self.engine.index.model_params, names)
 
-    # -- localization ------------------------------------------------------------------------------
-    def _localize(self) -> ReplayResult | None:
-        loc = self.window.resolve_live()
-        if loc is not None:
-            result = self._live_result(loc)
-            if result.named or result.loss_born:
-                return result
-        self.collective = None
-        for src in self._replay_order():
-            try:
-                result = self._replay(src)
-            except Exception as exc:  # noqa: BLE001 - a failed replay must not fail the step
-                if self.collective is not None:
-                    return None  # stopped at a collective (see replay_verdict)
-                internal_warning("Escalation.replay", exc, owner=self.engine)
-                continue
-            verdict = replay_verdict(result, self.collective is not None)
-            if verdict == "stop":
-                # Another rank may still name the origin.
-                return None
-            if verdict == "found":
-                self._culprit = src
-                if result.loss_born:
-                    result.loss_ops = graph_walk.loss_ops(self._calls)
-                return result
-        return None
-
-    def _live_result(self, loc: Localization) -> ReplayResult:
-        """What the escalated step itself showed (the live localizer recorded its forward and backward)."""
-        upstream_bad, _available = upstream_state(self._calls)
-        result = ReplayResult(loc, replayed=False, surrogate=False, upstream_bad=upstream_bad)
-        flags = [c.output_ok for c in self._calls if c.output_ok is not None]
-        result.output_ok = torch.stack([f.to(flags[0].device) for f in flags]).all() if flags else None
-        return result
-
-    def _replay(self, src: Call | Batch) -> ReplayResult:
-        if isinstance(src, Batch):
-            return replay_lightning(src, self._replay_guard, self)
-        return replay_call(self._replay_model(), src, self._replay_guard, self)
-
-    def _screen_call(self, call: Call) -> bool:
-        return screen_call(self._replay_model(), call, self._replay_guard)
-
-    def _replay_model(self) -> nn.Module:
-        assert self.model is not None
-        return replay_model(self.model)
-
-    @contextlib.contextmanager
-    def _replay_guard(self) -> Iterator[None]:
-        with self.window.paused():
-            self._replaying = True
-            self.engine.replaying = True
-            try:
-                with checkpoint_not_reentrant(), no_collectives(self):
-                    yield
-            finally:
-                self._replaying = False
-                self.engine.replaying = False
-
+    # -- graph walks and the reentrant checkpoint cut ------------------------------------------------
     def unowned_params(self, known: set[int], limit: int = 4096) -> list[torch.Tensor]:
         """``nn.Parameter`` leaves the step's model outputs were computed from that the model does not own
         (``known``: ids of its parameters and of the optimizers' tensors): a layer built inside forward().
@@ -718,10 +503,10 @@ class Escalation:
         """
         if self.integration != "plain" or self.model is None or not self._calls:
             return {}
-        model = self._replay_model()
+        model = self.replayer.replay_model()
         self._replaying = True
         try:
-            return record_reentrant_cut(model, self._calls[-1], self.engine.index, self)
+            return record_reentrant_cut(model, self._calls[-1], self.engine.index, self.replayer)
         finally:
             self._replaying = False
 
@@ -734,7 +519,7 @@ class Escalation:
         result: ReplayResult | None,
         note: str | None,
     ) -> None:
-        facts = ReportFacts(findings, layers, result, note, self._source(), self._culprit)
+        facts = ReportFacts(findings, layers, result, note, self._source(), self.replayer.culprit)
         write_report(self.engine, self.reports, stats, facts)
 
 
