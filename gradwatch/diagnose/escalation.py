@@ -109,9 +109,7 @@ from gradwatch.diagnose.reentrant import (
     reentrant_cause,
     reentrant_no_grad_warned,
 )
-from gradwatch.diagnose.replay import (
-    ReplayResult,
-)
+from gradwatch.diagnose.replay import ReplayResult
 from gradwatch.diagnose.replayer import Replayer
 from gradwatch.diagnose.step_capture import StepCapture
 from gradwatch.diagnose.window import EscalationWindow
