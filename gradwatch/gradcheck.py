@@ -241,7 +241,10 @@ def _eager(model: nn.Module) -> nn.Module:
 
 def _capture(model: nn.Module, batches: list[tuple[Any, Any, Any]], loss_fn: Any) -> list[FunctionCall]:
     """Run the forward (and ``loss_fn``) on each batch; return the first call of each custom Function site."""
-    from gradwatch.diagnose.escalation import _checkpoint_not_reentrant, _preserved, _replay_input, _set_rng_state
+    from gradwatch.diagnose.replay import checkpoint_not_reentrant as _checkpoint_not_reentrant
+    from gradwatch.diagnose.replay import preserved as _preserved
+    from gradwatch.diagnose.replay import replay_input as _replay_input
+    from gradwatch.diagnose.replay import set_rng_state as _set_rng_state
 
     found: dict[tuple[Any, ...], FunctionCall] = {}
     with _preserved(model), _checkpoint_not_reentrant(), _module_stack(model) as stack, _recording(

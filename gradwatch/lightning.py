@@ -429,9 +429,11 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
         esc = self._escalation
         if esc is None or esc[0] is not self.engine:
             engine = self.engine
-            found = next((e for e in engine.extensions if hasattr(e, "_replaying")), None) if engine else None
+            from gradwatch.diagnose.escalation import Escalation
+
+            found = engine.extension(Escalation) if engine else None
             self._escalation = esc = (engine, found)
-        return bool(getattr(esc[1], "_replaying", False))
+        return bool(esc[1] is not None and esc[1].replaying)
 
     def _before_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> Any:
         if self._replaying():

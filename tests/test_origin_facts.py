@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gradwatch.diagnose.escalation import OriginFacts, fix_for, origin_fix, origin_message
+from gradwatch.diagnose.op_fixes import fix_for
+from gradwatch.diagnose.origin import OriginFacts, origin_fix, origin_message
 
 SQRT_BACKWARD = OriginFacts(
     step=7,

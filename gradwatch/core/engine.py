@@ -968,8 +968,8 @@ class Engine:
         out = []
         for f in found:
             f.data.update(raised=True, anomaly_error=str(exc), anomaly_op=anomaly.op)
-            head, sep, fix = f.message.partition("\nFix:")
-            out.append(replace(f, message=f"{head}\n{note}{sep}{fix}") if sep and f.kind == "nan_origin" else f)
+            told = f.explanation if f.kind == "nan_origin" else None
+            out.append(replace(f, explanation=replace(told, what=f"{told.what}\n{note}")) if told and told.fix else f)
         return out
 
     # -- end ---------------------------------------------------------------------------------------

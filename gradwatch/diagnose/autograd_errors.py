@@ -150,7 +150,8 @@ def _anomaly_nan(ctx: _Context, op: str, index: int) -> Finding:
     """Anomaly mode (``torch.autograd.set_detect_anomaly``, Lightning's ``detect_anomaly=True``) stopped
     backward at the first node that returned NaN. It checks for NaN only: an Inf born earlier (sqrt or
     log at 0) turns into NaN at a later, harmless-looking op (a matmul multiplying Inf by 0)."""
-    from gradwatch.diagnose.escalation import _GENERIC_FIX, fix_for
+    from gradwatch.diagnose.op_fixes import GENERIC_FIX as _GENERIC_FIX
+    from gradwatch.diagnose.op_fixes import fix_for
 
     losses = [t for t in ctx.roots() if t.numel() == 1]
     loss_note = ""

@@ -303,9 +303,11 @@ class AmpMonitor:
     def _dropped_batch_nonfinite(self) -> bool:
         """Whether a batch held since the last check (the scaler's dropped steps included) holds NaN/Inf.
         Asked on overflow steps only, when no loss was observed."""
-        esc = next((e for e in self._engine.extensions if hasattr(e, "_nonfinite_inputs")), None)
+        from gradwatch.diagnose.escalation import Escalation
+
+        esc = self._engine.extension(Escalation)
         try:
-            return bool(esc is not None and esc.active and esc._nonfinite_inputs())
+            return bool(esc is not None and esc.active and esc.nonfinite_inputs())
         except Exception as exc:  # noqa: BLE001
             internal_warning("AmpMonitor (dropped batch)", exc, owner=self._engine)
             return False
@@ -376,9 +378,11 @@ class AmpMonitor:
                 unscaled = True
             elif stage != "READY":
                 return None
-        esc: Any = next((e for e in engine.extensions if hasattr(e, "_nonfinite_inputs")), None)
+        from gradwatch.diagnose.escalation import Escalation
+
+        esc = engine.extension(Escalation)
         inputs_seen = esc is not None and esc.active
-        if inputs_seen and (esc._nonfinite_inputs() or esc._output_nan()):
+        if inputs_seen and (esc.nonfinite_inputs() or esc.output_nan()):
             return None  # NaN/Inf data, or a NaN loss: scaling never makes those
         nan, inf = counts
         scale = float(scaler._scale.float().item())

@@ -183,7 +183,7 @@ class ForwardTracer:
     def attach(self, engine: Any) -> None:
         self.engine = engine
         model = engine.model
-        if model is None or _is_compiled(model):
+        if model is None or is_compiled(model):
             # Hooks on a compiled model run inside Dynamo's trace (a TorchFunctionMode there costs graph
             # breaks and recompiles): autograd errors then get the untraced, approximate module names.
             return
@@ -419,7 +419,7 @@ def next_sequence_nr() -> int | None:
         return None
 
 
-def _is_compiled(model: nn.Module) -> bool:
+def is_compiled(model: nn.Module) -> bool:
     """``torch.compile(model)`` (an ``OptimizedModule``), ``model.compile()``, or a compiled ``forward``
     (what Lightning makes of ``trainer.fit(torch.compile(module))``)."""
     if getattr(model, "_compiled_call_impl", None) is not None or getattr(model, "_compiler_ctx", None):
