@@ -9,7 +9,6 @@ start-up for all of them) and writes ``OUT_DIR/rank{RANK}.json``. The uneven-inp
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import sys
@@ -18,21 +17,19 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
+from helpers import plain_console
 from torch import nn
 
 import gradwatch
 
 NAN_STEP = 3
 STEPS = 6
-
-
-def text_console() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
 
 
 class Net(nn.Module):
@@ -69,7 +66,7 @@ def replicas(rank: int, policy: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    console = text_console()
+    console = plain_console()
     raised = None
     before_nan: list[float] = []
     with gradwatch.watch(model, opt, console=console, on_nonfinite=policy) as gw:
@@ -115,7 +112,7 @@ def ddp_unused(rank: int, wrapped: bool, alternating: bool = False) -> dict[str,
     inner = AltNet() if alternating else Net(unused=True)
     model = DDP(inner, find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(model if wrapped else inner, opt, console=text_console()) as gw:
+    with gradwatch.watch(model if wrapped else inner, opt, console=plain_console()) as gw:
         for step in range(22):  # none_grad waits 20 checked steps under find_unused_parameters=True
             x = batch(step, rank, bad=False)
             loss = (model(x, use_aux=step % 2 == 1) if alternating else model(x)).pow(2).mean()
@@ -145,7 +142,7 @@ def ddp_nan(
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    console = text_console()
+    console = plain_console()
     amp = torch.amp.GradScaler("cpu") if scaler else None
     options: dict[str, Any] = {"scaler": amp} if amp is not None else {}
     if guard:
@@ -188,7 +185,7 @@ def rank0_only(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gw = gradwatch.watch(model, opt, console=text_console()) if rank == 0 else None
+    gw = gradwatch.watch(model, opt, console=plain_console()) if rank == 0 else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
@@ -224,8 +221,8 @@ def probe_on_rank0(rank: int) -> dict[str, Any]:
     probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gw = gradwatch.watch(model, opt, console=text_console())
-        pw = gradwatch.watch(probe, probe_opt, console=text_console()) if rank == 0 else None
+        gw = gradwatch.watch(model, opt, console=plain_console())
+        pw = gradwatch.watch(probe, probe_opt, console=plain_console()) if rank == 0 else None
         for step in range(STEPS):
             x = batch(step + rank * 50, rank, bad=False)
             loss = model(x).pow(2).mean()
@@ -265,7 +262,7 @@ def late_watcher(rank: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         if rank == 1:
             time.sleep(2.5)
-        with gradwatch.watch(model, opt, console=text_console()) as gw:
+        with gradwatch.watch(model, opt, console=plain_console()) as gw:
             for step in range(4):
                 loss = model(batch(step, rank, bad=False)).pow(2).mean()
                 opt.zero_grad()
@@ -293,7 +290,7 @@ def join_uneven(rank: int, watched: str | None, nan: bool = False) -> dict[str, 
     # No momentum: the ranks' optimizer states would differ after uneven steps (the join syncs the weights
     # only), and so would the replicas, with or without gradwatch.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    console = text_console()
+    console = plain_console()
     target = {"ddp": model, "inner": inner}.get(watched or "")
     every = 1 if nan else 2  # every=2: the steps after the join block would select different iterations
     cm = gradwatch.watch(target, opt, console=console, every=every) if target is not None else None
@@ -330,7 +327,7 @@ def fsdp(rank: int, nan: bool) -> dict[str, Any]:
     model = Net()
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    console = text_console()
+    console = plain_console()
     reference: list[dict[str, float]] = []
     reported: list[dict[str, float]] = []
     with gradwatch.watch(model, opt, console=console, per_layer=True) as gw:
@@ -375,7 +372,7 @@ def fsdp1(rank: int, nan: bool, orig: bool) -> dict[str, Any]:
     totals: list[tuple[float, float]] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with gradwatch.watch(model, opt, console=text_console()) as gw:
+        with gradwatch.watch(model, opt, console=plain_console()) as gw:
             for step in range(STEPS):
                 loss = model(batch(step + rank * 50, rank, bad=nan and rank == 1 and step == NAN_STEP)).pow(2).mean()
                 opt.zero_grad()
@@ -408,7 +405,7 @@ def post_local_sgd(rank: int) -> dict[str, Any]:
     model.register_comm_hook(state, post_localSGD_hook)
     local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = PostLocalSGDOptimizer(optim=local, averager=averagers.PeriodicModelAverager(period=2, warmup_steps=2))
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for step in range(STEPS):
             loss = model(batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
             opt.zero_grad()
@@ -432,7 +429,7 @@ def ddp_op_nan(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(LogNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for step in range(STEPS):
             loss = -model(batch(step, rank, bad=False), zero=rank == 1 and step == NAN_STEP).mean()
             gw.observe_loss(loss)
@@ -449,7 +446,7 @@ def independent(rank: int, same_seed: bool = False) -> dict[str, Any]:
     torch.manual_seed(0 if same_seed else rank)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1))
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for step in range(6 if rank == 0 else 4):
             loss = model(batch(step, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
             gw.observe_loss(loss)
@@ -470,7 +467,7 @@ def ddp_accumulation(rank: int, bug: bool, no_sync: bool = True, bucket_view: bo
     model = DDP(Net(), gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for _ in range(4):
             for m in range(4):
                 x = torch.randn(8, 4, generator=g)
@@ -533,7 +530,7 @@ def ddp_collective_nan(rank: int, how: str = "gather") -> dict[str, Any]:
     inner = Contrastive(how)
     model = DDP(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    console = text_console()
+    console = plain_console()
     with gradwatch.watch(model, opt, console=console) as gw:
         for step in range(STEPS):
             loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
@@ -559,7 +556,7 @@ def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
     model.register_comm_hook(state, powersgd.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     raised = None
-    with gradwatch.watch(model, opt, console=text_console(), max_skips=3) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), max_skips=3) as gw:
         try:
             for step in range(STEPS + 2):
                 loss = model(batch(step + 10 * rank, rank, bad=rank == 1 and step == NAN_STEP)).pow(2).mean()
@@ -581,7 +578,7 @@ def ddp_remainder(rank: int) -> dict[str, Any]:
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for _ in range(3):
             for i in range(10):
                 x = torch.randn(8, 4, generator=g)
@@ -601,7 +598,7 @@ def ddp_ignored_targets(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    console = text_console()
+    console = plain_console()
     g = torch.Generator().manual_seed(rank)
     with gradwatch.watch(model, opt, console=console) as gw:
         for step in range(STEPS):
@@ -628,7 +625,7 @@ def pipeline(rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     wait, gd.PEER_WAIT = gd.PEER_WAIT, 1.0  # each stage's watcher waits for the other stage's model in vain
     try:
-        with warnings.catch_warnings(record=True) as caught, gradwatch.watch(stage, opt, console=text_console()) as gw:
+        with warnings.catch_warnings(record=True) as caught, gradwatch.watch(stage, opt, console=plain_console()) as gw:
             warnings.simplefilter("always")
             for step in range(3):
                 opt.zero_grad()

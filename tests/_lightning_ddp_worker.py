@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import lightning.pytorch as pl
 import torch
-from conftest import tiny_module, tiny_trainer
+from helpers import tiny_module, tiny_trainer
 from rich.console import Console
 
 from gradwatch.lightning import GradWatchCallback

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_module, tiny_trainer
-from rich.console import Console
+from helpers import kinds, plain_console, tiny_module, tiny_trainer
 from torch import nn
 
 import gradwatch
@@ -18,10 +16,6 @@ if not hasattr(torch.amp, "GradScaler"):
     pytest.skip("torch.amp.GradScaler is needed", allow_module_level=True)
 
 CALIBRATION = 2.0**24  # a few fp16 overflow steps at the start of a healthy run, then a settled scale
-
-
-def text_console() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
 
 
 def net() -> nn.Module:
@@ -58,10 +52,6 @@ def amp_loop(
             on_step(step, "after")
 
 
-def kinds(findings: list[gradwatch.Finding]) -> list[tuple[str, int]]:
-    return [(f.kind, f.step) for f in findings]
-
-
 # -- plain loop ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hand_scaler", [True, False], ids=["scaler-handed", "scaler-found"])
 def test_overflow_steps_of_a_healthy_run_are_one_info_finding(hand_scaler: bool) -> None:
@@ -69,7 +59,7 @@ def test_overflow_steps_of_a_healthy_run_are_one_info_finding(hand_scaler: bool)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
     extra = {"scaler": scaler} if hand_scaler else {}
-    with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), **extra) as gw:
         amp_loop(model, opt, scaler, 16)
     (f,) = gw.findings
     assert (f.kind, f.severity, f.step) == ("amp_overflow", "info", 0)
@@ -82,7 +72,7 @@ def test_step_numbers_count_the_steps_the_scaler_skipped() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         amp_loop(model, opt, scaler, 16, nan_grad_at=12)
     assert ("nonfinite_grad", 12) in kinds(gw.findings)  # iteration 12, although only 4 updates went through
     assert gw.summary().steps == 16
@@ -114,7 +104,7 @@ def _scaled_watch(growth_interval: int) -> tuple[Any, torch.amp.GradScaler]:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=growth_interval)
-    return gradwatch.watch(model, opt, console=text_console(), scaler=scaler), scaler
+    return gradwatch.watch(model, opt, console=plain_console(), scaler=scaler), scaler
 
 
 @pytest.mark.parametrize("growth_interval", [1, 100], ids=["scale-grows-every-step", "scale-steady"])
@@ -163,7 +153,7 @@ def test_skip_stays_exact_under_amp() -> None:
                 [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
             )
 
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         amp_loop(model, opt, scaler, 14, nan_grad_at=12, on_step=on_step)
     (params_before, momentum_before), (params_after, momentum_after) = seen["before"], seen["after"]
     assert all(torch.equal(a, b) for a, b in zip(params_before, params_after))
@@ -175,7 +165,7 @@ def test_overflow_that_persists_after_the_scale_settled_is_a_warning() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
-    console = text_console()
+    console = plain_console()
     with gradwatch.watch(model, opt, console=console, scaler=scaler) as gw:
         amp_loop(model, opt, scaler, 30, nan_loss_from=14)
     assert not [f for f in gw.findings if f.kind.startswith("nonfinite") or f.severity == "error"]
@@ -192,7 +182,7 @@ def test_scaler_that_never_lets_an_update_through_is_a_warning() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         amp_loop(model, opt, scaler, 12, nan_loss_from=0)
     (w,) = [f for f in gw.findings if f.kind == "amp_overflow_persistent"]
     assert w.data["new_scale"] < 1.0 and "No update has gone through yet" in w.message
@@ -203,7 +193,7 @@ def test_forgotten_zero_grad_under_a_scaler_is_reported_while_every_update_is_dr
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         for step in range(14):
             x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
             with torch.autocast("cpu", dtype=torch.float16):
@@ -225,7 +215,7 @@ def _classifier_amp_loop(scaler: torch.amp.GradScaler, steps: int, clear_every: 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(0)
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         for i in range(steps):
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -270,7 +260,7 @@ def test_amp_accumulation_recipe_whose_first_update_is_a_flushed_remainder_is_si
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 16, generator=g) * 3, torch.randint(0, 4, (8,), generator=g)) for _ in range(20)]
-    with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
         for _ in range(3):
             for i, (x, y) in enumerate(data):
                 with torch.autocast("cpu", dtype=torch.float16):
@@ -300,7 +290,7 @@ def test_fused_optimizer_norms_are_of_unscaled_gradients() -> None:
         if when == "after" and step >= 9:
             reported.append(gw.engine.history.last[0].total_norm)
 
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         amp_loop(model, opt, scaler, 14, on_step=on_step)
     assert reported == pytest.approx(reference, rel=1e-4)
     assert kinds(gw.findings) == [("amp_overflow", 0)] and gw.findings[0].data["overflow_steps"] == 9
@@ -312,7 +302,7 @@ def test_low_precision_gradient_norms_accumulate_in_float32(dtype: torch.dtype) 
     model = nn.Module()
     model.weight = weight
     opt = torch.optim.SGD([weight], lr=0.0)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         weight.grad = torch.full((300,), 1e3, dtype=dtype)  # sum of squares 3e8 overflows fp16
         opt.step()
     assert gw.findings == []
@@ -344,7 +334,7 @@ def test_lightning_16_mixed_overflow_steps_are_info_and_norms_unscaled(fused: bo
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             reported.append(cb.engine.history.last[0].total_norm)
 
-    cb = GradWatchCallback(console=text_console())
+    cb = GradWatchCallback(console=plain_console())
     model = tiny_module(pl)
     if fused:
         model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
@@ -365,7 +355,7 @@ def test_lightning_16_mixed_nan_loss_is_a_nonfinite_loss_not_a_normal_overflow()
     from gradwatch.lightning import GradWatchCallback
 
     scaler = torch.amp.GradScaler("cpu", init_scale=CALIBRATION)
-    cb = GradWatchCallback(console=text_console())
+    cb = GradWatchCallback(console=plain_console())
     trainer = tiny_trainer(pl, [cb], max_steps=14, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
     trainer.fit(tiny_module(pl, nan_at=12))
     found = kinds(cb.findings)
@@ -398,7 +388,7 @@ def test_lightning_bf16_mixed_nan_is_skipped_as_usual() -> None:
     pl = _lightning()
     from gradwatch.lightning import GradWatchCallback
 
-    cb = GradWatchCallback(console=text_console(), escalate=False)
+    cb = GradWatchCallback(console=plain_console(), escalate=False)
     trainer = tiny_trainer(pl, [cb], max_steps=5, precision="bf16-mixed")
     trainer.fit(tiny_module(pl, nan_at=2))
     assert {(f.kind, f.step) for f in cb.findings} == {("nonfinite_loss", 2), ("nonfinite_grad", 2)}
@@ -456,7 +446,7 @@ def test_scaler_created_mid_run_is_found_by_a_later_check() -> None:
 
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for step in range(40):
             x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
             loss = model(x).pow(2).mean()
@@ -484,7 +474,7 @@ def _gan_scaler_loop(watched: bool, steps: int, *, nan_real_at: int | None = Non
     opt_g = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.999))
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=100)
-    gw = gradwatch.watch(nn.ModuleDict({"G": G, "D": D}), [opt_d, opt_g], console=text_console()) if watched else None
+    gw = gradwatch.watch(nn.ModuleDict({"G": G, "D": D}), [opt_d, opt_g], console=plain_console()) if watched else None
     crit = nn.BCEWithLogitsLoss()
     g = torch.Generator().manual_seed(1)
     g_applied = []
@@ -576,7 +566,7 @@ def test_clip_raising_on_the_scalers_first_overflow_is_explained_as_the_overflow
     # Not handed: the overflow comes before any scaler.step() could show it; the loop's variable is found.
     extra = {"scaler": scaler} if how == "scaler-handed" else {}
     with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped") as raised:
-        with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+        with gradwatch.watch(model, opt, console=plain_console(), **extra) as gw:
             clip_loop(model, opt, scaler, 4, gw, unscale=how != "clipped-before-unscale")
     assert raised.value.__traceback__ is not None and "error_if_nonfinite=False" in str(raised.value)  # untouched
     (f,) = gw.findings
@@ -592,7 +582,7 @@ def test_clip_raising_on_a_nan_batch_under_a_scaler_is_not_called_an_overflow() 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     with pytest.raises(RuntimeError, match="cannot be clipped"):
-        with gradwatch.watch(model, opt, console=text_console(), scaler=scaler) as gw:
+        with gradwatch.watch(model, opt, console=plain_console(), scaler=scaler) as gw:
             clip_loop(model, opt, scaler, 6, gw, nan_batch_at=3)
     assert "amp_overflow" not in gw.summary().kind_counts
     assert kinds(gw.findings) == [("nonfinite_grad", 3), ("nonfinite_input", 3)]  # the batch is named
@@ -604,7 +594,7 @@ def _drops(init_scale: float, steps: int, hand_scaler: bool) -> list[gradwatch.F
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     extra = {"scaler": scaler} if hand_scaler else {}
-    with gradwatch.watch(model, opt, console=text_console(), **extra) as gw:
+    with gradwatch.watch(model, opt, console=plain_console(), **extra) as gw:
         amp_loop(model, opt, scaler, steps)
     return gw.findings
 
@@ -633,7 +623,7 @@ def test_lightning_fit_that_ends_while_the_scaler_drops_every_update_is_a_warnin
 
     from gradwatch.lightning import GradWatchCallback
 
-    cb = GradWatchCallback(console=text_console())
+    cb = GradWatchCallback(console=plain_console())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
     trainer = tiny_trainer(pl, [cb], max_steps=20, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
     trainer.fit(tiny_module(pl))

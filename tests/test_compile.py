@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_module, tiny_trainer
-from rich.console import Console
+from helpers import plain_console, tiny_module, tiny_trainer
 from torch import nn
 
 import gradwatch
@@ -28,10 +26,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x))
-
-
-def text_console() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
 
 
 def train(compiled: nn.Module, opt: torch.optim.Optimizer, gw: Any, steps: int, nan_at: int | None = None) -> None:
@@ -69,7 +63,7 @@ def compiled_net() -> tuple[nn.Module, nn.Module]:
 def test_findings_name_the_original_module_paths() -> None:
     model, compiled = compiled_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(compiled, opt, console=text_console(), escalate=False) as gw:
+    with gradwatch.watch(compiled, opt, console=plain_console(), escalate=False) as gw:
         train(compiled, opt, gw, 5, nan_at=3)
     by_kind = {f.kind: f for f in gw.findings}
     assert by_kind["none_grad"].params == ("aux.weight", "aux.bias")
@@ -90,7 +84,7 @@ def test_watching_a_compiled_model_adds_no_graph_break() -> None:
     alone = (graph_breaks(), counters["stats"]["unique_graphs"])
     dynamo.reset()
     counters.clear()
-    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+    with gradwatch.watch(compiled, opt, console=plain_console()) as gw:
         train(compiled, opt, gw, 3)
     assert alone == (0, 1)
     assert (graph_breaks(), counters["stats"]["unique_graphs"]) == alone
@@ -100,7 +94,7 @@ def test_lightning_fit_of_a_compiled_module_names_the_original_paths() -> None:
     pl = pytest.importorskip("lightning.pytorch")
     from gradwatch.lightning import GradWatchCallback
 
-    cb = GradWatchCallback(console=text_console(), escalate=False)
+    cb = GradWatchCallback(console=plain_console(), escalate=False)
     model = tiny_module(pl, unused=True)
     trainer = tiny_trainer(pl, [cb], max_steps=2)
     trainer.fit(torch.compile(model, backend=BACKEND))
@@ -113,7 +107,7 @@ def test_escalation_window_after_an_incident_adds_no_graph_break() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dynamo.reset()
     counters.clear()
-    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+    with gradwatch.watch(compiled, opt, console=plain_console()) as gw:
         for step in range(7):  # a NaN batch at step 2; steps 3-5: the escalation window
             x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
             if step == 2:
@@ -146,7 +140,7 @@ def test_watching_the_original_model_of_a_compiled_one_adds_no_graph_break_after
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     dynamo.reset()
     counters.clear()
-    with gradwatch.watch(model, opt, console=text_console()) as gw:  # the original module, run compiled
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:  # the original module, run compiled
         for step in range(7):  # NaN batches at steps 2 and 4: the second falls in the escalation window
             x = torch.rand(16, 4, generator=torch.Generator().manual_seed(step))
             if step in (2, 4):
@@ -185,7 +179,7 @@ def test_compiled_optimizer_step_is_checked_eagerly_with_no_graph_break() -> Non
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         compiled_step_loop(opt, model, gw, 3)
     assert graph_breaks() <= alone[0] and counters["stats"]["unique_graphs"] == alone[1]
     assert [f.kind for f in gw.findings if f.severity != "info"] == ["none_grad"]  # aux is never used
@@ -197,7 +191,7 @@ def test_compiled_optimizer_step_finds_a_forgotten_zero_grad_and_skips_a_nan(bug
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with gradwatch.watch(model, opt, console=text_console()) as gw:
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
         compiled_step_loop(opt, model, gw, 5, zero=bug != "no_zero_grad", nan_at=3 if bug == "nan" else None)
     kinds = [(f.kind, f.step) for f in gw.findings if f.severity == "error"]
     if bug == "nan":
@@ -233,7 +227,7 @@ def test_nan_origin_in_a_compiled_model_names_the_users_module_path() -> None:
     model = Scored()
     compiled = torch.compile(model, backend=BACKEND)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(compiled, opt, console=text_console()) as gw:
+    with gradwatch.watch(compiled, opt, console=plain_console()) as gw:
         for step in range(4):
             model.scorer.certain = step == 2
             loss = -compiled(torch.randn(16, 4, generator=torch.Generator().manual_seed(step))).mean()

@@ -8,7 +8,6 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,13 +17,7 @@ from torch import nn
 import gradwatch
 from gradwatch.report.dashboard import CATEGORY, CHARTS, ChartSeries, read_layout
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def accumulator(log_dir: str) -> Any:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
-from conftest import panels
+from helpers import free_port, panels
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
 TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(tmp: str, *args: str, timeout: float = TIMEOUT) -> tuple[list[int | None], list[str]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import panels
+from helpers import panels
 from torch import nn
 
 import gradwatch

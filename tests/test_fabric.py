@@ -3,26 +3,20 @@ before it) checks every update, names the user's own parameters, and raises no f
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from rich.console import Console
+from helpers import free_port, plain_console
 from torch import nn
 
 import gradwatch
 
 L = pytest.importorskip("lightning")
-
-
-def text_console() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
 
 
 def net() -> nn.Module:
@@ -49,11 +43,11 @@ def test_nan_batch_under_fabric_is_skipped_and_named_without_wrapper_segments(wh
     model, opt = net(), None
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if when == "before_setup":
-        gw = gradwatch.watch(model, opt, console=text_console())
+        gw = gradwatch.watch(model, opt, console=plain_console())
         fmodel, fopt = fabric.setup(model, opt)
     else:
         fmodel, fopt = fabric.setup(model, opt)
-        gw = gradwatch.watch(fmodel, fopt, console=text_console())
+        gw = gradwatch.watch(fmodel, fopt, console=plain_console())
     with gw:
         fabric_loop(fabric, fmodel, fopt, 30, nan_at=20)
     assert [(f.kind, f.step) for f in gw.findings if f.severity != "info"] == [
@@ -69,7 +63,7 @@ def test_healthy_fabric_run_with_accumulation_is_quiet() -> None:
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = net()
     fmodel, fopt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         fabric_loop(fabric, fmodel, fopt, 60, accumulate=4)
     assert gw.findings == []
     assert gw.engine.steps_checked == 60
@@ -82,7 +76,7 @@ def test_fabric_checkpoint_holds_the_watcher_and_a_resumed_run_keeps_its_step_nu
     model = net()
     fmodel, fopt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     path = tmp_path / "ckpt.pt"
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         fabric_loop(fabric, fmodel, fopt, 10)
         fabric.save(path, {"model": fmodel, "optimizer": fopt, "gradwatch": gw})
     assert path.exists()
@@ -90,7 +84,7 @@ def test_fabric_checkpoint_holds_the_watcher_and_a_resumed_run_keeps_its_step_nu
     fabric2 = L.Fabric(accelerator="cpu", devices=1)
     model2 = net()
     fmodel2, fopt2 = fabric2.setup(model2, torch.optim.Adam(model2.parameters(), lr=1e-3))
-    with gradwatch.watch(fmodel2, fopt2, console=text_console()) as gw2:
+    with gradwatch.watch(fmodel2, fopt2, console=plain_console()) as gw2:
         fabric2.load(path, {"model": fmodel2, "optimizer": fopt2, "gradwatch": gw2})
         assert gw2.engine.steps_checked == 10
         fabric_loop(fabric2, fmodel2, fopt2, 5, nan_at=1)
@@ -108,7 +102,7 @@ def test_fabric_clip_gradients_raising_on_the_scalers_overflow_is_explained_as_t
     fmodel, fopt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)
     with pytest.raises(RuntimeError, match="cannot be clipped"):
-        with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+        with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
             for _ in range(4):
                 x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
                 loss = nn.functional.mse_loss(fmodel(x).float(), y)
@@ -186,7 +180,7 @@ def test_training_step_called_through_fabric_is_localized_like_a_plain_loop(meth
     fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
     if method == "compute_loss":
         fmodel.mark_forward_method("compute_loss")
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 8, fault=fault, method=method)
     kinds = [(f.kind, f.severity, f.step) for f in gw.findings if f.kind != "nonfinite_loss"]
     assert kinds == [("nonfinite_grad", "error", 4), ("nan_origin", "error", 4)]
@@ -203,7 +197,7 @@ def test_training_step_called_through_fabric_is_localized_like_a_plain_loop(meth
 
 def test_nan_batch_through_fabric_training_step_is_named_as_input() -> None:
     fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 8, fault="nan_batch")
     assert [(f.kind, f.step) for f in gw.findings] == [
         ("nonfinite_loss", 4), ("nonfinite_grad", 4), ("nonfinite_input", 4)
@@ -214,7 +208,7 @@ def test_nan_batch_through_fabric_training_step_is_named_as_input() -> None:
 @pytest.mark.parametrize("zero_grad", ["every_micro_batch", "last_micro_batch"])
 def test_zero_grad_inside_accumulation_with_fabric_training_step_is_flagged(zero_grad: str) -> None:
     fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 6, accumulate=4, zero_grad=zero_grad)
     assert {f.kind for f in gw.findings} == {"zero_grad_in_accumulation"}
 
@@ -234,7 +228,7 @@ class NetStep(L.LightningModule):
 def test_fabric_training_step_around_forward_gets_advice_for_training_step() -> None:
     # The loop is Fabric's documented one: the advice is about training_step, never "call the watched model".
     fabric, raw, fmodel, fopt = set_up(NetStep, lr=1e-3)
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 6, fault="nan_batch")
     (origin,) = [f for f in gw.findings if f.kind == "nan_origin"]
     assert origin.severity == "warning" and origin.data["no_forward"]
@@ -261,7 +255,7 @@ class InplaceStep(L.LightningModule):
 
 def test_inplace_error_in_fabric_training_step_is_traced_to_its_line() -> None:
     fabric, _raw, fmodel, fopt = set_up(InplaceStep, lr=0.1)
-    gw = gradwatch.watch(fmodel, fopt, console=text_console())
+    gw = gradwatch.watch(fmodel, fopt, console=plain_console())
     with pytest.raises(RuntimeError, match="inplace operation"), gw:
         fabric.backward(fmodel.training_step((torch.randn(8, 4), torch.randn(8, 1)), 0))
     (finding,) = gw.findings
@@ -272,7 +266,7 @@ def test_inplace_error_in_fabric_training_step_is_traced_to_its_line() -> None:
 
 def test_healthy_fabric_training_step_run_is_quiet() -> None:
     fabric, raw, fmodel, fopt = set_up(StepModule, lr=1e-3)
-    with gradwatch.watch(fmodel, fopt, console=text_console()) as gw:
+    with gradwatch.watch(fmodel, fopt, console=plain_console()) as gw:
         step_loop(fabric, raw, fmodel, fopt, gw, 30, accumulate=2)
     assert gw.findings == []
 
@@ -345,12 +339,6 @@ def test_training_step_through_fabric_ddp_is_localized(fault: str, when: str, tm
         assert {k for k, *_ in found} == {"zero_grad_in_accumulation"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RNNish(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -370,7 +358,7 @@ class RNNish(nn.Module):
 # module `_forward_module` (the plain loop says `h` and `<root RNNish>`).
 def test_autograd_error_under_fabric_names_the_users_module_not_the_wrapper() -> None:
     fabric, _raw, fmodel, fopt = set_up(RNNish, lr=0.01)
-    gw = gradwatch.watch(fmodel, fopt, console=text_console())
+    gw = gradwatch.watch(fmodel, fopt, console=plain_console())
     with pytest.raises(RuntimeError, match="backward through the graph a second time"), gw:
         for _ in range(3):
             loss = nn.functional.mse_loss(fmodel(torch.randn(8, 4)), torch.randn(8, 1))
@@ -391,9 +379,9 @@ def test_nan_target_held_by_a_fabric_loop_is_named(when: str) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    gw = gradwatch.watch(model, opt, console=text_console()) if when == "before_setup" else None
+    gw = gradwatch.watch(model, opt, console=plain_console()) if when == "before_setup" else None
     fmodel, fopt = fabric.setup(model, opt)
-    gw = gw or gradwatch.watch(fmodel, fopt, console=text_console())
+    gw = gw or gradwatch.watch(fmodel, fopt, console=plain_console())
     g = torch.Generator().manual_seed(1)
     with gw:
         for step in range(6):

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import lightning_namespace
+from helpers import lightning_namespace
 from torch import nn
 
 import gradwatch

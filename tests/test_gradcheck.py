@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import panels
+from helpers import panels
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import lightning_namespace, manual_module, panels, tiny_module, tiny_trainer
+from helpers import lightning_namespace, manual_module, panels, tiny_module, tiny_trainer
 
 pl = lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
 
@@ -60,10 +60,6 @@ class Recorder:
     def _momentum(pl_module: Any) -> list[torch.Tensor]:
         opt = pl_module.opt
         return [opt.state[p]["momentum_buffer"].clone() for p in pl_module.parameters() if p in opt.state]
-
-
-def _kinds(cb: GradWatchCallback) -> list[str]:
-    return [f.kind for f in cb.findings]
 
 
 # -- import and namespaces -------------------------------------------------------------------------
@@ -534,7 +530,7 @@ def test_manual_accumulation_with_zero_grad_in_every_batch_is_flagged(pl_ns: Any
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    from conftest import tiny_data
+    from helpers import tiny_data
 
     cb = GradWatchCallback(console=False)
     tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=1).fit(Accumulating(), tiny_data())
@@ -575,7 +571,7 @@ def test_manual_gan_with_the_generator_accumulating_under_toggle_optimizer_is_si
         def configure_optimizers(self) -> Any:
             return (torch.optim.Adam(self.gen.parameters(), 2e-3), torch.optim.Adam(self.disc.parameters(), 2e-3))
 
-    from conftest import tiny_data
+    from helpers import tiny_data
 
     cb = GradWatchCallback(console=False)
     tiny_trainer(pl_ns, [cb], max_steps=-1, max_epochs=1).fit(Gan(), tiny_data())
@@ -622,7 +618,7 @@ def test_sam_under_manual_optimization_is_watched_through_its_base_optimizer() -
             return SAM(self.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
 
         def train_dataloader(self) -> Any:
-            from conftest import tiny_data
+            from helpers import tiny_data
 
             return tiny_data()
 
@@ -670,7 +666,7 @@ def _spiking_module(ns: Any, clip_override: bool = False) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
         def train_dataloader(self) -> Any:
-            from conftest import tiny_data
+            from helpers import tiny_data
 
             return tiny_data(n=320)
 

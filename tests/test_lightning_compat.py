@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import lightning_namespace, tiny_data, tiny_module, tiny_trainer
+from helpers import lightning_namespace, tiny_data, tiny_module, tiny_trainer
 
 lightning_namespace("lightning.pytorch")  # skip the module when Lightning is not installed
 

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tiny_data, tiny_trainer
 from torch import nn
-
-from tests.conftest import tiny_data, tiny_trainer
 
 pl = pytest.importorskip("lightning.pytorch")
 from gradwatch.lightning import GradWatchCallback
@@ -368,7 +367,7 @@ def test_nonscalar_loss_is_explained() -> None:
 
 
 def test_two_optimizers_zeroed_each_step_are_silent_in_either_namespace(pl_ns: Any) -> None:
-    from tests.conftest import manual_module
+    from helpers import manual_module
 
     cb = GradWatchCallback(console=False)
     tiny_trainer(pl_ns, [cb], max_steps=6).fit(manual_module(pl_ns))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import lightning_namespace, tiny_trainer
+from helpers import lightning_namespace, tiny_trainer
 from torch import nn
 
 ns = lightning_namespace("lightning.pytorch")
@@ -223,7 +223,7 @@ def test_manual_optimization_with_a_closure_gets_the_nan_origin(closure: bool) -
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-2)
 
-    from conftest import tiny_data
+    from helpers import tiny_data
 
     cb = GradWatchCallback(console=False)
     model = Manual()
@@ -253,7 +253,7 @@ def test_explicit_inf_that_a_later_op_turns_into_nan_is_named_at_its_own_line() 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-2)
 
-    from conftest import tiny_data
+    from helpers import tiny_data
 
     cb = GradWatchCallback(console=False)
     tiny_trainer(ns, [cb], max_steps=6).fit(Sentinel(), tiny_data())

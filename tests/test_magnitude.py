@@ -4,7 +4,7 @@ on healthy training (with a learning-rate warm-up), and report a persisting cond
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,16 +16,10 @@ import gradwatch.observe.magnitude as magnitude_ext
 from gradwatch.checks.exploding import SETTLE
 from gradwatch.checks.loss_diverging import DEAD
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 MAGNITUDE_KINDS = {"exploding_grad", "vanishing_grad", "dead_layer", "update_ratio_high", "update_ratio_low", "loss_spike"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny models: thread start-up costs more than the math, and the test machine may be oversubscribed.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 X = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))

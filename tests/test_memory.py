@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import gc
-import io
 import weakref
 from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
+from helpers import plain_console
 from torch import nn
 
 import gradwatch
-
-
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
 
 
 def make_model(width: int = 16) -> nn.Module:
@@ -47,7 +42,7 @@ CONFIGS = {
 def test_gradients_die_at_zero_grad_set_to_none(tmp_path: Any, config: str) -> None:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet(), **CONFIGS[config]) as gw:
+    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=plain_console(), **CONFIGS[config]) as gw:
         train(model, opt, gw, 7)
         x = torch.randn(16, 8)
         loss = model(x).pow(2).mean()
@@ -66,7 +61,7 @@ def test_gradients_die_at_zero_grad_set_to_none(tmp_path: Any, config: str) -> N
 def test_gradients_die_at_zero_grad_after_an_incident(tmp_path: Any) -> None:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet()) as gw:
+    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=plain_console()) as gw:
         train(model, opt, gw, 3)
         loss = model(torch.randn(16, 8)).pow(2).mean() * float("nan")
         gw.observe_loss(loss)
@@ -115,7 +110,7 @@ def test_state_held_between_steps_grows_with_tensors_not_elements(tmp_path: Any)
     for width in (16, 1024):
         model = make_model(width)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gw = gradwatch.watch(model, opt, log_dir=str(tmp_path / str(width)), console=quiet(), update_ratio_every=0)
+        gw = gradwatch.watch(model, opt, log_dir=str(tmp_path / str(width)), console=plain_console(), update_ratio_every=0)
         train(model, opt, gw, 5)
         held.append(_held_tensor_elements(gw))
         gw.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import kinds
 from torch import nn
 
 import gradwatch
@@ -27,10 +28,6 @@ def data(n: int, nan_at: int = -1) -> list[tuple[torch.Tensor, torch.Tensor]]:
             x[0, 0] = float("nan")
         out.append((x, y))
     return out
-
-
-def kinds(gw: Any) -> list[tuple[str, int]]:
-    return [(f.kind, f.step) for f in gw.findings if f.severity != "info"]
 
 
 def finite(model: nn.Module) -> bool:
@@ -101,9 +98,9 @@ def test_sam_is_checked_every_step_and_a_nan_batch_is_skipped(style: str) -> Non
                 opt.step(closure)
                 opt.zero_grad()
     assert gw.summary().steps_checked == 10
-    assert ("nonfinite_grad", 5) in kinds(gw), kinds(gw)
-    assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {5}
-    assert not [k for k in kinds(gw) if k[0] == "unwatched_optimizer"]
+    assert ("nonfinite_grad", 5) in kinds(gw, info=False), kinds(gw, info=False)
+    assert {step for kind, step in kinds(gw, info=False) if kind.startswith("nonfinite")} == {5}
+    assert not [k for k in kinds(gw, info=False) if k[0] == "unwatched_optimizer"]
     assert finite(model)
     assert not [f for f in gw.findings if f.data.get("no_update")]  # the first pass is the same step's
     inputs = [f for f in gw.findings if f.kind == "nonfinite_input"]
@@ -122,7 +119,7 @@ def test_sam_healthy_run_is_silent_and_unchanged() -> None:
             opt.second_step(zero_grad=True)
         if gw is not None:
             gw.close()
-            assert kinds(gw) == [], kinds(gw)
+            assert kinds(gw, info=False) == [], kinds(gw, info=False)
         return model
 
     for a, b in zip(run(False).parameters(), run(True).parameters()):
@@ -162,7 +159,7 @@ def test_lookahead_without_optimizer_init_is_watched_through_its_inner_optimizer
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
     assert gw.summary().steps_checked == 12
-    assert {step for kind, step in kinds(gw) if kind.startswith("nonfinite")} == {7}, kinds(gw)
+    assert {step for kind, step in kinds(gw, info=False) if kind.startswith("nonfinite")} == {7}, kinds(gw, info=False)
     assert finite(model)
 
 
@@ -206,7 +203,7 @@ def test_optimizer_of_another_model_is_not_reported_as_unwatched() -> None:
                 o.zero_grad()
                 nn.functional.mse_loss(m(x), y).backward()
                 o.step()
-    assert kinds(gw) == []
+    assert kinds(gw, info=False) == []
 
 
 # https://github.com/KaiyangZhou/pytorch-center-loss (centers trained by the model's optimizer)
@@ -223,7 +220,7 @@ def test_learnable_loss_parameters_in_the_optimizer_are_not_foreign_params() -> 
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert kinds(gw) == [], kinds(gw)
+    assert kinds(gw, info=False) == [], kinds(gw, info=False)
 
 
 # https://pytorch.org/tutorials/advanced/neural_style_tutorial.html (the input image is optimized)
@@ -239,7 +236,7 @@ def test_optimizing_the_input_of_a_frozen_model_is_watched() -> None:
                 loss = loss * float("nan")
             loss.backward()
             opt.step()
-    assert {k for k in kinds(gw) if k[0] != "nan_origin"} == {("nonfinite_grad", 3)}, kinds(gw)
+    assert {k for k in kinds(gw, info=False) if k[0] != "nan_origin"} == {("nonfinite_grad", 3)}, kinds(gw, info=False)
     assert bool(torch.isfinite(image).all())
 
 
@@ -415,7 +412,7 @@ def test_an_optimizer_built_on_another_model_is_one_foreign_params_finding() -> 
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert kinds(gw) == [("foreign_params", 0)]
+    assert kinds(gw, info=False) == [("foreign_params", 0)]
     (finding,) = gw.findings
     assert "build the optimizer from this model's parameters" in finding.message
     assert "holds none of the model's parameters" in finding.message
@@ -431,7 +428,7 @@ def test_a_second_model_trained_jointly_in_the_same_optimizer_is_not_flagged() -
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert kinds(gw) == []
+    assert kinds(gw, info=False) == []
 
 
 # https://adversarial-ml-tutorial.org/adversarial_examples/ (PGD: the model is only put in eval mode)
@@ -446,7 +443,7 @@ def test_an_adversarial_perturbation_optimized_through_a_trainable_model_is_not_
             opt.zero_grad()
             loss.backward()
             opt.step()
-    assert kinds(gw) == []
+    assert kinds(gw, info=False) == []
 
 
 def test_weight_decay_that_a_warm_up_makes_too_large_is_named_when_it_crosses() -> None:

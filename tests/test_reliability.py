@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import panels
+from helpers import kinds, panels
 from rich.console import Console
 from torch import nn
 
@@ -90,10 +90,6 @@ def reference_params(nan_at: int | None = NAN_AT) -> list[torch.Tensor]:
 def assert_same_params(model: nn.Module, expected: list[torch.Tensor]) -> None:
     for (name, p), q in zip(model.named_parameters(), expected):
         assert torch.equal(p, q), f"{name} differs from the unwatched run"
-
-
-def kinds(gw: Any) -> list[tuple[str, int]]:
-    return [(f.kind, f.step) for f in gw.findings]
 
 
 #: The findings gradwatch must keep in memory whatever breaks (other kinds, e.g. from escalation, may

@@ -9,14 +9,11 @@ optimizers, AMP, clipping, schedules) must produce no warning at all.
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,31 +21,18 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import panels
-from rich.console import Console
+from helpers import free_port, panels, plain_console
 from torch import nn
 
 import gradwatch
-from gradwatch import Finding, GradWatchError, GradWatchInternalWarning
+from gradwatch import Finding, GradWatchError
+
+pytestmark = pytest.mark.usefixtures("no_internal_failures")
 
 NONFINITE = ("nonfinite_grad", "nonfinite_loss")
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def no_internal_failures() -> Iterator[None]:
-    """gradwatch's own failures are reported as GradWatchInternalWarning: none may happen in these runs."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    internal = [str(w.message) for w in caught if issubclass(w.category, GradWatchInternalWarning)]
-    assert not internal, internal
-
-
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
-
-
 def show(findings: list[Finding]) -> str:
     return (
         "\n".join(
@@ -83,7 +67,7 @@ def batches(n: int, shape: tuple[int, ...] = (8, 8), seed: int = 0) -> Iterator[
 
 
 def watch(model: nn.Module, opt: Any, **config: Any) -> gradwatch.Watcher:
-    config.setdefault("console", quiet())
+    config.setdefault("console", plain_console())
     return gradwatch.watch(model, opt, **config)
 
 
@@ -162,7 +146,7 @@ def test_log_of_softmax_underflow_update_is_skipped_and_training_continues() -> 
 
 # https://github.com/pytorch/pytorch/issues/795
 def test_log_of_softmax_underflow_is_explained_on_the_console() -> None:
-    out = quiet()
+    out = plain_console()
     model = SoftmaxClassifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, opt, console=out):
@@ -1651,12 +1635,6 @@ DDP_WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # https://github.com/ImprintLab/MedSegDiff/issues/27

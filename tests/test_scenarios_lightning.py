@@ -7,49 +7,34 @@ the namespace under test (``lightning.pytorch`` or ``pytorch_lightning``).
 
 from __future__ import annotations
 
-import io
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
+from helpers import plain_console
 from torch import nn
 
-from gradwatch import Finding, GradWatchError, GradWatchInternalWarning
+from gradwatch import Finding, GradWatchError
 
 pytest.importorskip("lightning.pytorch")
 pytest.importorskip("pytorch_lightning")
 
 from gradwatch.lightning import GradWatchCallback
 
+pytestmark = pytest.mark.usefixtures("no_internal_failures")
+
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 NONFINITE = ("nonfinite_grad", "nonfinite_loss")
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def no_internal_failures() -> Iterator[None]:
-    """gradwatch's own failures are reported as GradWatchInternalWarning: none may happen in these runs."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    internal = [str(w.message) for w in caught if issubclass(w.category, GradWatchInternalWarning)]
-    assert not internal, internal
-
-
 def ns_of(name: str) -> Any:
     return pytest.importorskip(name)
 
 
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
-
-
 def callback(**config: Any) -> GradWatchCallback:
-    config.setdefault("console", quiet())
+    config.setdefault("console", plain_console())
     return GradWatchCallback(**config)
 
 

@@ -11,7 +11,6 @@ whole training steps (forward, backward, ``optimizer.step()`` with gradwatch's c
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import warnings
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
+from helpers import plain_console
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -96,10 +95,6 @@ class SyncCounter(TorchFunctionMode):
         return out
 
 
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=120, color_system=None)
-
-
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -114,7 +109,7 @@ def run_counted(steps: int, tmp_path: Any, nan_at: int | None = None, **config: 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counter = SyncCounter()
-    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet(), **config) as gw, counter:
+    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=plain_console(), **config) as gw, counter:
         for i, (x, y) in enumerate(batches(steps)):
             counter.next_step()
             loss = nn.functional.mse_loss(model(x), y)
@@ -193,7 +188,7 @@ def _cuda_steps(steps: int, tmp_path: Any, **config: Any) -> Any:
     model = make_model().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     data = [(x.cuda(), y.cuda()) for x, y in batches(steps + 2)]
-    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=quiet(), **config) as gw:
+    with gradwatch.watch(model, opt, log_dir=str(tmp_path), console=plain_console(), **config) as gw:
         for x, y in data[:2]:  # first steps: one-time set-up (parameter index, tracing)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import panels
+from helpers import kinds, panels
 from rich.console import Console
 from torch import nn
 
@@ -53,10 +53,6 @@ def train(model, opt, gw, xs, nan_at=None, inf_grad_at=None):
         if step == inf_grad_at:
             model.head.bias.grad[0] = float("inf")
         opt.step()
-
-
-def kinds(gw) -> list[tuple[str, int]]:
-    return [(f.kind, f.step) for f in gw.findings]
 
 
 def snapshot(model, opt):

@@ -139,7 +139,7 @@ class Finding:
             "params": list(self.params),
             "module": self.module,
             "op": self.op,
-            "data": _jsonable(self.data),
+            "data": jsonable(self.data),
             **({"explanation": self.explanation.to_dict()} if self.explanation else {}),
         }
 
@@ -168,7 +168,7 @@ class Finding:
         return f"{self.title}\n{self.message}"
 
     def __rich__(self) -> Any:
-        return _panel(self, [])
+        return panel(self, [])
 
     @property
     def headline(self) -> str:
@@ -198,10 +198,11 @@ def display_order(findings: list[Finding]) -> list[Finding]:
 def incident_panel(head: Finding, others: list[Finding]) -> Any:
     """One panel for one step's findings of one incident: ``head`` in full (where it was born, its fix),
     the others by their first paragraph (their tables and generic fixes are in the JSON lines)."""
-    return _panel(head, others)
+    return panel(head, others)
 
 
-def _panel(f: Finding, others: list[Finding]) -> Any:
+def panel(f: Finding, others: list[Finding]) -> Any:
+    """The rich panel of finding ``f``: its message and table, then one line per finding of ``others``."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.text import Text
@@ -223,6 +224,9 @@ def _panel(f: Finding, others: list[Finding]) -> Any:
         border_style=style,
         expand=False,
     )
+
+
+_panel = panel  # the name gradcheck.py imports
 
 
 class GradWatchError(RuntimeError):
@@ -270,15 +274,16 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """``v`` as plain JSON values: NaN and Inf as strings, tuples as lists, keys and other objects as strings."""
     if isinstance(v, float):
         if math.isnan(v) or math.isinf(v):
             return str(v)
         return v
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, (str, int, bool)) or v is None:
         return v
     return str(v)

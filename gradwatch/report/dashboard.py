@@ -26,6 +26,7 @@ import math
 import os
 import re
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -328,6 +329,17 @@ def _write_histograms(step: int, layers: dict[str, torch.Tensor]) -> Any:
     return write
 
 
+class DashboardWriter:
+    """Where the dashboard's jobs go: ``submit(fn)`` runs ``fn(summary_writer)`` on a writer thread.
+
+    :class:`gradwatch.report.tensorboard.TensorBoardReporter` is one; :class:`Dashboard` finds it among the
+    engine's reporters by this type, so the dashboard does not depend on the TensorBoard reporter's module.
+    """
+
+    def submit(self, fn: Callable[[Any], None]) -> None:
+        raise NotImplementedError
+
+
 class Dashboard:
     """Writes the Custom Scalars layout once and, when enabled, gradient histograms.
 
@@ -344,9 +356,7 @@ class Dashboard:
         self._checked = 0
 
     def attach(self, engine: Any) -> None:
-        from gradwatch.report.tensorboard import TensorBoardReporter
-
-        self._reporter = engine.reporters.of_type(TensorBoardReporter)
+        self._reporter = engine.reporters.of_type(DashboardWriter)
         self._every = int(engine.config.histogram_every)
 
     def before_sync(self, ctx: Any) -> None:
@@ -371,4 +381,15 @@ class Dashboard:
         self._reporter.submit(write_layout)
 
 
-__all__ = ["CATEGORY", "CHARTS", "ChartSeries", "Dashboard", "layout", "layout_proto", "merge_layouts", "read_layout", "write_layout"]
+__all__ = [
+    "CATEGORY",
+    "CHARTS",
+    "ChartSeries",
+    "Dashboard",
+    "DashboardWriter",
+    "layout",
+    "layout_proto",
+    "merge_layouts",
+    "read_layout",
+    "write_layout",
+]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from gradwatch.core.findings import Finding, _jsonable, display_order
+from gradwatch.core.findings import Finding, display_order, jsonable
 from gradwatch.report import fs
 
 
@@ -62,7 +62,7 @@ def write_incident(
     record = {
         "step": step,
         "findings": [f.to_dict() for f in findings],
-        "layers": _jsonable(layers),
+        "layers": jsonable(layers),
         "forward_traceback": traceback,
         "anomaly_error": anomaly_error,
         "batch_file": batch_file,
@@ -97,7 +97,7 @@ def _markdown(
         out += [f"## {f.title}", "", f"Severity: {f.severity}", "", f.message, ""]
         details = {k: v for k, v in f.data.items() if k != "table"}
         if details:
-            out += ["```json", json.dumps(_jsonable(details), indent=2), "```", ""]
+            out += ["```json", json.dumps(jsonable(details), indent=2), "```", ""]
     if traceback:
         out += ["## Forward traceback of the origin op (anomaly mode)", "", "```", traceback.rstrip(), "```", ""]
     if anomaly_error:

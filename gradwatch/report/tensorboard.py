@@ -20,14 +20,14 @@ from typing import Any
 
 from gradwatch.core.findings import Finding
 from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
-from gradwatch.report.dashboard import ChartSeries
+from gradwatch.report.dashboard import ChartSeries, DashboardWriter
 
 _STOP = object()
 #: Steps of scalars handed to the writer thread at once: one wake-up (and GIL hand-over) per batch.
 HANDOFF_STEPS = 16
 
 
-class TensorBoardReporter:
+class TensorBoardReporter(DashboardWriter):
     """Writes into a ``SummaryWriter``: its own (from ``log_dir``) or one it is handed (Lightning's).
 
     Args:
