@@ -10,16 +10,8 @@ import math
 import torch
 from torch import nn
 
-from gradwatch.diagnose.localize import (
-    Localizer,
-    Site,
-    absorbed,
-    first_bad_module,
-    first_birth,
-    first_seen,
-    forward_finite,
-    last_finite,
-)
+from gradwatch.diagnose.birth import absorbed, first_bad_module, first_birth, first_seen, forward_finite, last_finite
+from gradwatch.diagnose.localize import Localizer, Site
 
 FINITE = [0.0, 0.0, 0.5, 2.0, -2.0, 2.0]
 NAN = [1.0, 0.0, 0.0, 1.0, -1.0, 1.0]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import linecache
-import math
 import os
 import re
 import sys
@@ -37,6 +36,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from gradwatch.core.params import module_wrappers, user_path
+from gradwatch.diagnose.birth import (
+    absorbed,
+    first_bad_module,
+    first_birth,
+    first_seen,
+    forward_finite,
+    is_bad,
+    last_finite,
+    magnitudes,
+    output_flags,
+)
 from gradwatch.observe.module_hooks import owned
 
 ROOT = "<root>"
@@ -615,8 +625,8 @@ class Localizer:
             module=site.module,
             source=site.source,
             code=site.code,
-            incoming=_magnitudes(before),
-            outgoing=_out(after),
+            incoming=magnitudes(before),
+            outgoing=output_flags(after),
             traceback=_traceback(node) if node is not None else None,
             explicit_operand=intent,
         )
@@ -648,9 +658,9 @@ class Localizer:
         for index, _incoming, _produced in reversed(fired):
             result = results.get(index)
             fwd = saved.get(index)
-            if result is None or not _bad(result) or fwd is None or _bad(fwd):
+            if result is None or not is_bad(result) or fwd is None or is_bad(fwd):
                 continue
-            return self._node_origin(index, "loss", _forward_range({}, fwd), _out(result), forward_birth=True)
+            return self._node_origin(index, "loss", _forward_range({}, fwd), output_flags(result), forward_birth=True)
         return None
 
     def _backward_origin(
@@ -659,20 +669,20 @@ class Localizer:
         forward_inputs: dict[Any, list[float] | None],
     ) -> Origin | None:
         for index, incoming, produced in fired:
-            if produced is None or not _bad(produced):
+            if produced is None or not is_bad(produced):
                 continue
-            if incoming is not None and _bad(incoming):
+            if incoming is not None and is_bad(incoming):
                 continue
             fwd = forward_inputs.get(self._nodes[index])
             outside = index in self._outside
-            if outside and fwd is not None and _bad(fwd):
+            if outside and fwd is not None and is_bad(fwd):
                 continue  # its forward inputs were already non-finite (a NaN target): passed on, not born
             if fwd is not None and fwd[0]:
                 continue  # NaN in its forward inputs (a poisoned buffer, e.g. a fake-quant scale): passed on
             inc: dict[str, float] = {}
             if incoming is not None:
                 inc = {"min_abs": incoming[2], "max_abs": incoming[3]}
-            return self._node_origin(index, "loss" if outside else "backward", _forward_range(inc, fwd), _out(produced))
+            return self._node_origin(index, "loss" if outside else "backward", _forward_range(inc, fwd), output_flags(produced))
         return None
 
     def _node_origin(
@@ -750,23 +760,6 @@ def _traceback_site(node: Any, skip: tuple[str, ...]) -> Site | None:
     return None
 
 
-def _bad(v: list[float]) -> bool:
-    return bool(v[0] or v[1])
-
-
-def _magnitudes(v: list[float] | None) -> dict[str, float]:
-    if v is None:
-        return {}
-    out = {"min_abs": v[2], "max_abs": v[3], "min": v[4], "max": v[5]}
-    if v[1]:
-        out["inf"] = True  # only for a NaN made from Inf (e.g. softmax over a fully masked row)
-    return out
-
-
-def _out(v: list[float]) -> dict[str, Any]:
-    return {"nan": bool(v[0]), "inf": bool(v[1]), "max_abs": v[3]}
-
-
 def _read(vectors: list[torch.Tensor | None]) -> list[list[float] | None]:
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(vectors):
@@ -793,112 +786,6 @@ def _traceback(node: Any) -> str | None:
     return str(tb)
 
 
-#: Functions that put an explicit float('-inf') somewhere on purpose (a mask); an explicit Inf given to
-#: anything else (``out * float("inf")``) is a value, and the Inf it makes is what a later op turns into NaN.
-_MASKING = ("masked_fill", "where", "fill", "full", "setitem", "index_put", "masked_scatter", "index_fill")
-
-
-def _fresh(before: list[float] | None, after: list[float] | None) -> bool:
-    """A non-finite output from finite inputs: where a non-finite value is born."""
-    return after is not None and _bad(after) and (before is None or not _bad(before))
-
-
-def _nan_made(before: list[float] | None, after: list[float] | None) -> bool:
-    """A NaN output from inputs without NaN (they may hold Inf)."""
-    return after is not None and bool(after[0]) and (before is None or not before[0])
-
-
-def first_birth(
-    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None = None
-) -> int | None:
-    """Index of the op where a non-finite value was born, from ``(intended, inputs, outputs)`` summaries
-    (``names``: the ops' function names, to tell masks from other explicit Inf arguments)."""
-    for rule in (_born_unintended, _nan_from_inf, _sentinel_reached_end):
-        found = rule(ops, names)
-        if found is not None:
-            return found
-    return None
-
-
-def _born_unintended(
-    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None
-) -> int | None:
-    """A value going non-finite from finite inputs; explicit float('inf') arguments (masks) are intended."""
-    return next((i for i, (intended, before, after) in enumerate(ops) if not intended and _fresh(before, after)), None)
-
-
-def _nan_from_inf(ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None) -> int | None:
-    """A NaN made from Inf (e.g. softmax over a fully masked row), unless the Inf came from an explicit
-    float('inf') given to an op that is no mask: then that op made it."""
-    for i, (_intended, before, after) in enumerate(ops):
-        if _nan_made(before, after):
-            maker = _explicit_value_before(ops, names, i)
-            return i if maker is None else maker
-    return None
-
-
-def _explicit_value_before(
-    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None, end: int
-) -> int | None:
-    """The first op before ``end`` that made a non-finite value from an explicit float('inf') given to an op
-    that is no mask (``out * float("inf")``); None without ``names``."""
-    if names is None:
-        return None
-    for j in range(end):
-        intended, before, after = ops[j]
-        name = (names[j] if j < len(names) else "") or ""
-        if intended and _fresh(before, after) and not any(m in name.lower() for m in _MASKING):
-            return j
-    return None
-
-
-def _sentinel_reached_end(
-    ops: list[tuple[bool, list[float] | None, list[float] | None]], names: list[str] | None
-) -> int | None:
-    """An explicit float('inf')/nan argument after all, when its value reached the end of the forward pass
-    (the loss): a sentinel that was never masked out, e.g. ``loss * float("inf")``."""
-    last = ops[-1][2] if ops else None
-    if last is None or not _bad(last):
-        return None
-    return next((i for i, (intended, before, after) in enumerate(ops) if intended and _fresh(before, after)), None)
-
-
-def forward_finite(outputs: list[list[float] | None]) -> bool:
-    """Whether the forward pass counts as finite: every op output finite, or only -inf that was absorbed
-    before the output (an additive attention mask or bias passed in, then softmaxed), as far as a NaN born
-    later is concerned."""
-    if all(a is None or not _bad(a) for a in outputs):
-        return True
-    return last_finite(outputs) is True and all(a is None or (not a[0] and a[5] < math.inf) for a in outputs)
-
-
-def last_finite(outputs: list[list[float] | None]) -> bool | None:
-    """Whether the forward pass's last op output was finite; None when unknown (no ops, or not summarized)."""
-    last = outputs[-1] if outputs else None
-    return None if last is None else not _bad(last)
-
-
-def absorbed(outgoing: dict[str, Any], ends_finite: bool | None) -> bool:
-    """An Inf-only forward birth whose value the forward absorbed (log of a 0/1 mask added before a softmax
-    or logsumexp: the pass ends finite) happens on healthy steps too; a backward birth is the cause."""
-    return not outgoing.get("nan") and ends_finite is True
-
-
-def first_seen(ops: list[tuple[Site, list[float] | None]]) -> Site | None:
-    """With no birth found: the site of the first op whose inputs already held NaN/Inf."""
-    return next((site for site, before in ops if before is not None and _bad(before)), None)
-
-
-def first_bad_module(
-    modules: list[tuple[str, list[float] | None, list[float] | None]],
-) -> tuple[str | None, dict[str, float]]:
-    """The first module (in completion order) whose output was non-finite, and its inputs' magnitudes."""
-    for label, ins, outs in modules:
-        if outs is not None and _bad(outs):
-            return label, _magnitudes(ins)
-    return None, {}
-
-
 def _norm_name(name: str) -> str:
     return re.sub(r"backward\d*$", "", name.lower()).replace("_", "")
 
@@ -907,9 +794,9 @@ def _refine(origin: Origin, node: Any, inner: tuple[str, bool, list[float] | Non
     """Name the aten op inside a composite function, and its backward node when one matches."""
     name, _intended, before, after = inner
     origin.forward_op = f"{origin.forward_op} > aten.{name}"
-    origin.incoming = _magnitudes(before)
+    origin.incoming = magnitudes(before)
     if after is not None:
-        origin.outgoing = _out(after)
+        origin.outgoing = output_flags(after)
     wanted = _norm_name(name)
     match = None
     frontier, seen = [node], set()
