@@ -14,6 +14,7 @@ import torch
 
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.diagnose.autograd.context import Context
+from gradwatch.diagnose.escalation import _GENERIC_FIX, fix_for
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,6 @@ ANOMALY_FIXES: dict[str, Callable[[AnomalyFacts], str]] = {
 
 
 def anomaly_facts(ctx: Context, op: str, index: int) -> AnomalyFacts:
-    from gradwatch.diagnose.escalation import _GENERIC_FIX, fix_for
-
     losses = [t for t in ctx.roots() if t.numel() == 1]
     loss: float | None = None
     if losses and not bool(torch.isfinite(losses[0].detach()).all()):  # the error path: one read
