@@ -894,10 +894,10 @@ class Engine:
         if self._explained is not None and self._explained[0] == key:
             return self._explained[1]  # explained already (gw.explain(e), then re-raised out of the with block)
         try:
-            from gradwatch.diagnose import autograd_errors
+            from gradwatch.diagnose import autograd
 
             s = self.step_counts[0] if step is None and self.step_counts else (step or 0)
-            finding = autograd_errors.explain(exc, engine=self, step=s)
+            finding = autograd.explain(exc, engine=self, step=s)
             esc = self.extension(Escalation)
             if finding is not None and finding.kind == "no_grad_graph" and esc is not None:
                 finding = esc.explain_no_graph(finding)  # a reentrant checkpoint cut the graph, not frozen layers

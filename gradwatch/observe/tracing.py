@@ -3,7 +3,7 @@
 Autograd errors name an op ("output 0 of Sigmoid") but not the module that ran it. The
 :class:`ForwardTracer` records, for every op output that carries a ``grad_fn``, the innermost watched
 module that was running, the op, the shape, the tensor's version, and the source line; and for every
-in-place op, which tensor it changed and where. :mod:`gradwatch.diagnose.autograd_errors` looks the failing node
+in-place op, which tensor it changed and where. :mod:`gradwatch.diagnose.autograd` looks the failing node
 up in these records.
 
 Tracing runs only on the first watched step and while the engine is escalated. On other steps the cost
