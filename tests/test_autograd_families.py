@@ -7,7 +7,6 @@ from __future__ import annotations
 from gradwatch.core.findings import Explanation
 from gradwatch.diagnose.autograd.anomaly import ANOMALY_FIXES, AnomalyFacts, anomaly_cause, anomaly_words
 from gradwatch.diagnose.autograd.backward_twice import TWICE_CAUSES, TwiceFacts, twice_data, twice_words
-from gradwatch.diagnose.autograd.context import render_cause_first
 from gradwatch.diagnose.autograd.no_grad_fn import NO_GRAPH_CAUSES, NO_GRAPH_RULES, NoGraphFacts, no_graph_cause
 from gradwatch.diagnose.autograd.nonscalar import ORIGINS, NonscalarFacts, nonscalar_words, origin_cause
 
@@ -45,9 +44,9 @@ def test_backward_twice_in_one_step_says_nothing_of_earlier_steps() -> None:
 
 
 def test_the_cause_comes_before_why_it_matters_in_the_message() -> None:
-    text = render_cause_first(Explanation("what", why="why", cause="cause", fix="fix"))
+    text = Explanation("what", why="why", cause="cause", fix="fix").render()
     assert text == "what\nCause: cause\nWhy it matters: why\nFix: fix"
-    assert render_cause_first(Explanation("what", why="why")) == "what\nWhy it matters: why"
+    assert Explanation("what", why="why").render() == "what\nWhy it matters: why"
 
 
 # -- no_grad_graph -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ INCIDENT_KINDS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Explanation:
-    """What a finding says, in parts: what happened (where, when), why it matters, the likely cause, the fix.
+    """What a finding says, in parts: what happened (where, when), the likely cause, why it matters, the fix.
 
     A finding's ``message`` is rendered from it (:meth:`render`), so a program reads the fix from
     ``finding.explanation.fix`` and never parses the message.
@@ -52,8 +52,8 @@ class Explanation:
     fix: str = ""
 
     def render(self) -> str:
-        """The message: ``what``, then ``Why it matters:``, ``Cause:`` and ``Fix:`` paragraphs, each if set."""
-        labelled = (("Why it matters: ", self.why), ("Cause: ", self.cause), ("Fix: ", self.fix))
+        """The message: ``what``, then ``Cause:``, ``Why it matters:`` and ``Fix:`` paragraphs, each if set."""
+        labelled = (("Cause: ", self.cause), ("Why it matters: ", self.why), ("Fix: ", self.fix))
         return "\n".join([self.what, *(label + text for label, text in labelled if text)])
 
     def to_dict(self) -> dict[str, str]:

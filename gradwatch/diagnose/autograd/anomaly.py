@@ -14,7 +14,7 @@ import torch
 
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.diagnose.autograd.context import Context
-from gradwatch.diagnose.escalation import _GENERIC_FIX, fix_for
+from gradwatch.diagnose.op_fixes import GENERIC_FIX, fix_for
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def anomaly_facts(ctx: Context, op: str, index: int) -> AnomalyFacts:
     if losses and not bool(torch.isfinite(losses[0].detach()).all()):  # the error path: one read
         loss = float(losses[0].detach().reshape(()))
     op_fix = fix_for(op)
-    return AnomalyFacts(ctx.step, op, index, anomaly_cause(loss, op_fix, _GENERIC_FIX), op_fix, loss)
+    return AnomalyFacts(ctx.step, op, index, anomaly_cause(loss, op_fix, GENERIC_FIX), op_fix, loss)
 
 
 def anomaly_words(f: AnomalyFacts) -> Explanation:

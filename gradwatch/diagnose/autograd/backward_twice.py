@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gradwatch.core.findings import Explanation, Finding, names_text
-from gradwatch.diagnose.autograd.context import Context, children, local_name, render_cause_first, upstream_param, walk
+from gradwatch.diagnose.autograd.context import Context, children, local_name, upstream_param, walk
 from gradwatch.observe.tracing import library_frame, node_op
 
 #: Arithmetic a loss is combined with (sums of losses, scaling by 1/k).
@@ -310,7 +310,7 @@ def explain_backward_twice(ctx: Context) -> Finding:
         kind="backward_twice",
         step=ctx.step,
         severity="error",
-        message=render_cause_first(twice_words(f)),  # its cause comes before why it matters
+        explanation=twice_words(f),
         module=f.module,
         data=twice_data(f),
     )

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from gradwatch.core.findings import Explanation
 from gradwatch.core.params import user_module
 from gradwatch.observe.tracing import ForwardTracer, node_op, traceback_entries
 
@@ -275,9 +274,3 @@ def local_name(ctx: Context, tensor: torch.Tensor) -> str | None:
             if v is tensor:
                 return k
     return None
-
-
-def render_cause_first(words: Explanation) -> str:
-    """A message whose ``Cause:`` comes before ``Why it matters:`` (:meth:`Explanation.render` puts it after)."""
-    labelled = (("Cause: ", words.cause), ("Why it matters: ", words.why), ("Fix: ", words.fix))
-    return "\n".join([words.what, *(label + text for label, text in labelled if text)])

@@ -28,7 +28,6 @@ from gradwatch.core.open_watchers import open_watchers
 from gradwatch.diagnose.autograd.context import (
     Context,
     children,
-    render_cause_first,
     saved_error,
     user_frames_innermost,
     walk,
@@ -247,7 +246,7 @@ def _foreign_leaf_cause(ctx: Context, err: InplaceError, graph: SavedGraph, data
         kind="inplace_error",
         step=ctx.step,
         severity="error",
-        message=render_cause_first(words),  # its cause comes before why it matters
+        explanation=words,
         op=err.op or data.get("consumer"),
         data=data,
     )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradwatch.core.findings import Explanation, Finding, names_text
-from gradwatch.diagnose.autograd.context import Context, render_cause_first
+from gradwatch.diagnose.autograd.context import Context
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,6 @@ def explain_no_graph(ctx: Context) -> Finding:
         kind="no_grad_graph",
         step=ctx.step,
         severity="error",
-        message=render_cause_first(no_graph_words(f, cause)),
+        explanation=no_graph_words(f, cause),
         data={"cause": cause, "loss_shape": f.loss_shape, "trainable_params": f.trainable},
     )
