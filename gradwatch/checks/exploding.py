@@ -220,7 +220,7 @@ def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) ->
     if ratio is None or not pt or not facts["total"] > ratio * pt:
         return
     params = stats.extra.get("params")
-    scale = _init_scale(params) if isinstance(params, list) else 0.0
+    scale = init_scale(params) if isinstance(params, list) else 0.0
     if not facts["total"] > ratio * scale:
         facts["init_scale"] = scale  # cleared at that scale alone: no need to read the weights again
         return
@@ -240,7 +240,7 @@ def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) ->
 _SCALE: list[tuple[Any, ...]] = [()]
 
 
-def _init_scale(params: list[Any]) -> float:
+def init_scale(params: list[Any]) -> float:
     """The norm PyTorch's default initialization gives these weights: nn.Linear and nn.ConvNd draw them with
     variance 1 / (3 fan_in), out_features / 3 per weight tensor in all. Vectors (biases, norm scales) are
     left out, so it never overstates that scale. Memoized for the latest parameter list (the optimizer's,

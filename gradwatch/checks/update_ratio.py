@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import converged, newly_sustained
@@ -51,14 +51,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 kind="update_ratio_high",
                 step=stats.step,
                 severity="warning",
-                message=(
-                    f"Updates too large at step {stats.step} in {len(too_high)} layer(s): {names_text(too_high)}. "
+                explanation=Explanation(
+                    what=f"Updates too large at step {stats.step} in {len(too_high)} layer(s): {names_text(too_high)}. "
                     f"Each optimizer step changed their weights by {_span(ratios, too_high)} of their norm "
-                    f"for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
-                    "Why it matters: weights that change by a large fraction every step jump around instead "
-                    "of converging; the loss gets noisy or diverges.\n"
-                    "Fix: lower the learning rate (for these layers: a parameter group with a smaller lr), "
-                    "add warm-up, or clip gradients; check that weight decay is not huge."
+                    f"for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.",
+                    why="weights that change by a large fraction every step jump around instead "
+                    "of converging; the loss gets noisy or diverges.",
+                    fix="lower the learning rate (for these layers: a parameter group with a smaller lr), "
+                    "add warm-up, or clip gradients; check that weight decay is not huge.",
                 ),
                 module=too_high[0],
                 data={"layers": too_high, "ratios": {k: ratios[k] for k in too_high}, "band": [low, high],
@@ -71,14 +71,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 kind="update_ratio_low",
                 step=stats.step,
                 severity="warning",
-                message=(
-                    f"Updates too small at step {stats.step} in {len(too_low)} layer(s): {names_text(too_low)}. "
+                explanation=Explanation(
+                    what=f"Updates too small at step {stats.step} in {len(too_low)} layer(s): {names_text(too_low)}. "
                     f"Each optimizer step changed their weights by only {_span(ratios, too_low)} of their "
-                    f"norm for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
-                    "Why it matters: these layers effectively do not train.\n"
-                    "Fix: raise the learning rate (check the scheduler did not drive it to ~0 and that the "
+                    f"norm for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.",
+                    why="these layers effectively do not train.",
+                    fix="raise the learning rate (check the scheduler did not drive it to ~0 and that the "
                     "parameter group's lr is what you meant); for layers with very large weights, check the "
-                    "init; if they should not train, freeze them with requires_grad_(False)."
+                    "init; if they should not train, freeze them with requires_grad_(False).",
                 ),
                 module=too_low[0],
                 data={"layers": too_low, "ratios": {k: ratios[k] for k in too_low}, "band": [low, high],
