@@ -15,7 +15,6 @@ from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
-
 #: What a scaler's overflow step means, by its cause: the loss itself was non-finite, or the scale was
 #: too high (dynamic loss scaling finding its scale).
 _OVERFLOW_CAUSE = {
