@@ -151,13 +151,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     start, level, n, reference = facts
     lrs = _learning_rates(stats.extra.get("optimizer"))
     lr_text = f" (learning rate now {lrs})" if lrs else ""
-    why = (
-        "the gradient norm already overflows float32, so gradwatch skips these updates and the run has "
-        "stalled; lowering the learning rate is the way out"
-        if stats.overflow_norm and config.on_nonfinite == "skip"
-        else "the gradients are finite, so nothing else stops the run, but it is moving away from a solution; "
-        "the longer it runs, the less of the start is left to recover"
-    )
+    why = _WHY["stalled" if stats.overflow_norm and config.on_nonfinite == "skip" else "moving_away"]
     return [
         Finding(
             kind=_KEY,
@@ -176,6 +170,16 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             data={"start": start, "median": level, "ratio": level / start, "steps": n, "reference": reference},
         )
     ]
+
+
+#: Why a diverging loss matters, by where the run is: its updates skipped for an overflowing gradient norm
+#: (stalled), or still applied (moving away from a solution).
+_WHY = {
+    "stalled": "the gradient norm already overflows float32, so gradwatch skips these updates and the run has "
+    "stalled; lowering the learning rate is the way out",
+    "moving_away": "the gradients are finite, so nothing else stops the run, but it is moving away from a solution; "
+    "the longer it runs, the less of the start is left to recover",
+}
 
 
 def _died_finding(stats: StepStats, start: float, peak: float) -> Finding:

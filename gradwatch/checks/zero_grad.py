@@ -336,6 +336,14 @@ _STEP_WORDS = {
 }
 
 
+#: The fix of ``grads_cleared_before_step`` in Lightning's automatic optimization, which clears by itself.
+_LIGHTNING_CLEARS = (
+    "delete that zero_grad() call (from on_after_backward, on_before_optimizer_step or the "
+    "training_step after manual_backward): in automatic optimization Lightning clears the gradients "
+    "itself, after each optimizer step."
+)
+
+
 def _cleared(stats: StepStats) -> Finding:
     i = stats.optimizer_index
     facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
@@ -343,15 +351,8 @@ def _cleared(stats: StepStats) -> Finding:
     passes = int(facts.get("backward_passes", 0))
     params = tuple(stats.names) if stats.names else tuple(stats.none_grad)
     what = "all zero" if stats.names else "None"
-    if facts.get("lightning_automatic"):
-        fix = (
-            "delete that zero_grad() call (from on_after_backward, on_before_optimizer_step or the "
-            "training_step after manual_backward): in automatic optimization Lightning clears the gradients "
-            "itself, after each optimizer step."
-        )
-    else:
-        fix = _STEP_WORDS[with_optimizer]["fix"]
     words = _STEP_WORDS[with_optimizer]
+    fix = _LIGHTNING_CLEARS if facts.get("lightning_automatic") else words["fix"]
     return Finding(
         kind="grads_cleared_before_step",
         step=stats.step,
