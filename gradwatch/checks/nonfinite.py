@@ -66,7 +66,7 @@ def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> 
         "finding of this step), and its gradient was stopped on the way back to the weights (a ReLU at 0, a mask "
         f"or a detached branch zeroes it), so it shows in the loss value only. {action}"
     )
-    data = {**finding.data, "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
+    data = {**finding.data, "cause": "origin", "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
     return dataclasses.replace(finding, explanation=Explanation(what=what, fix=fix), data=data)
 
 

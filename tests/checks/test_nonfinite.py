@@ -79,6 +79,7 @@ def test_defer_to_origin_restates_a_loss_only_cause_with_the_op(policy: str) -> 
     assert "op SqrtBackward0 in module enc" in what and "Usual causes" not in what
     assert what.endswith(nonfinite.action_words(policy, 0))
     assert restated.data["restates"] == "nonfinite_loss" and restated.data["origin_op"] == "SqrtBackward0"
+    assert nonfinite.defer_to_origin(restated, "SqrtBackward0", "enc", "fix") is None  # restated once
 
 
 def test_defer_to_origin_leaves_other_findings_alone() -> None:
