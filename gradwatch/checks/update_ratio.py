@@ -44,15 +44,15 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         too_low = []  # tiny updates at the minimum (or at the end of a schedule to 0) are convergence
     span = f"{PATIENCE} measurements in a row (one every {config.update_ratio_every} checked steps)"
     return [
-        _finding(stats, direction, layers, ratios, (low, high), span)
-        for direction, layers in (("high", too_high), ("low", too_low))
+        _finding(stats, kind, layers, ratios, (low, high), span)
+        for kind, layers in (("update_ratio_high", too_high), ("update_ratio_low", too_low))
         if layers
     ]
 
 
-#: The words of update_ratio_high and update_ratio_low: what the updates were, why it matters, the fix.
+#: The words of each kind: what the updates were, why it matters, the fix.
 _WORDS = {
-    "high": (
+    "update_ratio_high": (
         "Updates too large at step {step} in {count} layer(s): {names}. Each optimizer step changed their weights "
         "by {span} of their norm",
         "weights that change by a large fraction every step jump around instead "
@@ -60,7 +60,7 @@ _WORDS = {
         "lower the learning rate (for these layers: a parameter group with a smaller lr), "
         "add warm-up, or clip gradients; check that weight decay is not huge.",
     ),
-    "low": (
+    "update_ratio_low": (
         "Updates too small at step {step} in {count} layer(s): {names}. Each optimizer step changed their weights "
         "by only {span} of their norm",
         "these layers effectively do not train.",
@@ -72,14 +72,14 @@ _WORDS = {
 
 
 def _finding(
-    stats: StepStats, direction: str, layers: list[str], ratios: dict[str, float], band: tuple[float, float],
+    stats: StepStats, kind: str, layers: list[str], ratios: dict[str, float], band: tuple[float, float],
     span: str,
 ) -> Finding:
-    what, why, fix = _WORDS[direction]
+    what, why, fix = _WORDS[kind]
     low, high = band
     head = what.format(step=stats.step, count=len(layers), names=names_text(layers), span=_span(ratios, layers))
     return Finding(
-        kind=f"update_ratio_{direction}",
+        kind=kind,
         step=stats.step,
         severity="warning",
         explanation=Explanation(
