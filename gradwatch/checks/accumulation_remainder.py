@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, ZeroGradFacts
 
@@ -93,18 +93,18 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind=_KEY,
             step=first,
             severity="warning",
-            message=(
-                f"optimizer {i}'s updates at steps {first} and {second} each summed the gradients of {n} "
+            explanation=Explanation(
+                what=f"optimizer {i}'s updates at steps {first} and {second} each summed the gradients of {n} "
                 f"micro-batches where {others} summed {k}: every {period} update{'s' if period > 1 else ''}, {r} "
                 f"micro-batches are carried into the next one. Most likely the end of an epoch: the loop steps when "
                 f"(i + 1) % {k} == 0, so the last {r} batches of a loader whose length is not a multiple of {k} "
-                "are never stepped nor cleared, and their gradients go into the next epoch's first update.\n"
-                f"Why it matters: that update is {n / k:.2f}x the size of the others (with the loss divided by "
-                f"{k}) and mixes two epochs' batches; the remainder never gets an update of its own.\n"
-                f"Fix: also step on the epoch's last batch: `if (i + 1) % {k} == 0 or i + 1 == len(loader):` "
+                "are never stepped nor cleared, and their gradients go into the next epoch's first update.",
+                why=f"that update is {n / k:.2f}x the size of the others (with the loss divided by "
+                f"{k}) and mixes two epochs' batches; the remainder never gets an update of its own.",
+                fix=f"also step on the epoch's last batch: `if (i + 1) % {k} == 0 or i + 1 == len(loader):` "
                 f"(its loss divided by {r}, not {k}); or call optimizer.zero_grad() at the start of each epoch to "
                 f"drop the remainder; or DataLoader(drop_last=True) with a batch count divisible by {k}."
-                + ddp
+                + ddp,
             ),
             data={"optimizer": i, "micro_batches": n, "usual": k, "period": period, "steps": [first, second]},
         )

@@ -15,7 +15,7 @@ Reported when it starts, and again after it recovered.
 from __future__ import annotations
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import newly_sustained
@@ -38,6 +38,17 @@ def _all_zero(stats: StepStats, history: History) -> bool:
     return newly_sustained(past, True, lambda v: v == 0.0, DEAD)
 
 
+#: The first fix, by the likely cause: updates known to be far too large (lr_too_high reported), or a jump
+#: in the loss that may have saturated the network.
+_FIRST_FIX = {
+    "lr_too_high": "the first updates of this run were far too large (see lr_too_high): restart with a lower "
+    "learning rate. ",
+    "saturation": "if the loss jumped before this, the updates threw the weights into saturation (every "
+    "sigmoid at exactly 0 or 1, every ReLU dead): restart with a lower learning rate (10x at a "
+    "time) and check for a typo in it. ",
+}
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if not _all_zero(stats, history):
         return []
@@ -55,23 +66,15 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="grads_all_zero",
             step=stats.step,
             severity="warning",
-            message=(
-                f"Every gradient of optimizer {stats.optimizer_index} ({type(optimizer).__name__}{lr_text}) has been "
+            explanation=Explanation(
+                what=f"Every gradient of optimizer {stats.optimizer_index} ({type(optimizer).__name__}{lr_text}) has been "
                 f"exactly 0 for the last {DEAD} checked steps, up to step {stats.step}: all {len(stats.names)} "
-                "parameters with a gradient.\n"
-                "Why it matters: nothing is learning any more; an optimizer with momentum or Adam keeps moving "
-                "the weights by its stale moments, in no useful direction, and the run will not recover by itself.\n"
-                "Fix: "
-                + (
-                    "the first updates of this run were far too large (see lr_too_high): restart with a lower "
-                    "learning rate. "
-                    if early
-                    else "if the loss jumped before this, the updates threw the weights into saturation (every "
-                    "sigmoid at exactly 0 or 1, every ReLU dead): restart with a lower learning rate (10x at a "
-                    "time) and check for a typo in it. "
-                )
+                "parameters with a gradient.",
+                why="nothing is learning any more; an optimizer with momentum or Adam keeps moving "
+                "the weights by its stale moments, in no useful direction, and the run will not recover by itself.",
+                fix=_FIRST_FIX["lr_too_high" if early else "saturation"]
                 + "Otherwise check that the loss still depends on the parameters: no .detach(), .item() or .data "
-                "on the model's output inside the loss, no argmax or rounding in it."
+                "on the model's output inside the loss, no argmax or rounding in it.",
             ),
             data={"optimizer": stats.optimizer_index, "dead_steps": DEAD, "params": len(stats.names)},
         )

@@ -11,9 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
+
+#: What a scaler's overflow step means, by its cause: the loss itself was non-finite, or the scale was
+#: too high (dynamic loss scaling finding its scale).
+_OVERFLOW_CAUSE = {
+    "loss": "The loss itself was NaN/Inf on that step, which scaling never causes: see the nonfinite_loss finding.",
+    "scaling": "This is how dynamic loss scaling finds its scale; a few such steps, mostly early in training, are "
+    "normal and need no action.",
+}
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -22,7 +30,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     n = int(amp.get("overflow_steps") or 0)
     first = int(amp.get("first_step", stats.step))
-    new_scale = _fmt(amp.get("new_scale"))
     data: dict[str, Any] = {
         "overflow_steps": n,
         "steps": list(range(first, first + n)),
@@ -36,67 +43,67 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if n and _most_dropped(amp, n):
         out.append(_most_dropped_finding(amp, n, first, data))
     elif n:
-        steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
-        out.append(
-            Finding(
-                kind="amp_overflow",
-                step=first,
-                severity="info",
-                message=(
-                    f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): the "
-                    f"scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
-                    f"{new_scale}. "
-                    + (
-                        "The loss itself was NaN/Inf on that step, which scaling never causes: see the "
-                        "nonfinite_loss finding."
-                        if amp.get("loss_nonfinite")
-                        else "This is how dynamic loss scaling finds its scale; a few such steps, mostly "
-                        "early in training, are normal and need no action."
-                    )
-                ),
-                data=data,
-            )
-        )
+        out.append(_overflow_finding(amp, n, first, data))
     if amp.get("persistent") and amp.get("grads_never_cleared"):
-        out.append(
-            Finding(
-                kind="zero_grad_missing",
-                step=stats.step,
-                severity="error",
-                message=(
-                    f"The gradient scaler dropped the update of each of the last {amp.get('consecutive')} steps "
-                    f"(steps {first}-{stats.step}; loss scale now {new_scale}), and the gradients were never "
-                    "cleared in between: zero_grad() is missing, so the Inf of the first overflow stays in .grad and "
-                    "every later step overflows too, whatever the scale.\n"
-                    "Why it matters: no update ever goes through again; the model stops training.\n"
-                    "Fix: call optimizer.zero_grad() once per iteration, before scaler.scale(loss).backward() "
-                    "(with gradient accumulation, right after scaler.step(optimizer); scaler.update())."
-                ),
-                data={**data, "amp": True},
-            )
-        )
+        out.append(_never_cleared_finding(stats, amp, first, data))
     elif amp.get("persistent"):
-        loss_hint = " The loss itself was non-finite on that step." if amp.get("loss_nonfinite") else ""
-        none_yet = " No update has gone through yet." if amp.get("no_update_yet") else ""
-        out.append(
-            Finding(
-                kind="amp_overflow_persistent",
-                step=stats.step,
-                severity="warning",
-                message=(
-                    f"The gradient scaler keeps skipping updates: {amp.get('consecutive')} overflow steps in a "
-                    f"row up to step {stats.step}, loss scale now {new_scale}.{none_yet}{loss_hint}\n"
-                    "Why it matters: every skipped step is a lost update; when the scale keeps falling the "
-                    "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
-                    "stops training.\nFix: check the loss and the inputs for NaN/Inf (run a few steps without "
-                    "autocast: gradwatch then names the op), keep overflow-prone ops (softmax, norms, large "
-                    "reductions, exp) in float32, lower the learning rate, or train in bf16 "
-                    "(precision='bf16-mixed', torch.autocast(dtype=torch.bfloat16)), which needs no scaler."
-                ),
-                data=data,
-            )
-        )
+        out.append(_persistent_finding(stats, amp, data))
     return out
+
+
+def _overflow_finding(amp: dict[str, Any], n: int, first: int, data: dict[str, Any]) -> Finding:
+    steps = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
+    return Finding(
+        kind="amp_overflow",
+        step=first,
+        severity="info",
+        explanation=Explanation(
+            what=f"The gradient scaler skipped {'this update' if n == 1 else f'{n} updates'} ({steps}): "
+            f"the scaled fp16 gradients overflowed, so it dropped the update and lowered the loss scale to "
+            f"{_fmt(amp.get('new_scale'))}. " + _OVERFLOW_CAUSE["loss" if amp.get("loss_nonfinite") else "scaling"],
+        ),
+        data=data,
+    )
+
+
+def _never_cleared_finding(stats: StepStats, amp: dict[str, Any], first: int, data: dict[str, Any]) -> Finding:
+    return Finding(
+        kind="zero_grad_missing",
+        step=stats.step,
+        severity="error",
+        explanation=Explanation(
+            what=f"The gradient scaler dropped the update of each of the last {amp.get('consecutive')} steps "
+            f"(steps {first}-{stats.step}; loss scale now {_fmt(amp.get('new_scale'))}), and the gradients were "
+            "never cleared in between: zero_grad() is missing, so the Inf of the first overflow stays in .grad and "
+            "every later step overflows too, whatever the scale.",
+            why="no update ever goes through again; the model stops training.",
+            fix="call optimizer.zero_grad() once per iteration, before scaler.scale(loss).backward() "
+            "(with gradient accumulation, right after scaler.step(optimizer); scaler.update()).",
+        ),
+        data={**data, "amp": True},
+    )
+
+
+def _persistent_finding(stats: StepStats, amp: dict[str, Any], data: dict[str, Any]) -> Finding:
+    loss_hint = " The loss itself was non-finite on that step." if amp.get("loss_nonfinite") else ""
+    none_yet = " No update has gone through yet." if amp.get("no_update_yet") else ""
+    return Finding(
+        kind="amp_overflow_persistent",
+        step=stats.step,
+        severity="warning",
+        explanation=Explanation(
+            what=f"The gradient scaler keeps skipping updates: {amp.get('consecutive')} overflow steps in a "
+            f"row up to step {stats.step}, loss scale now {_fmt(amp.get('new_scale'))}.{none_yet}{loss_hint}",
+            why="every skipped step is a lost update; when the scale keeps falling the "
+            "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
+            "stops training.",
+            fix="check the loss and the inputs for NaN/Inf (run a few steps without "
+            "autocast: gradwatch then names the op), keep overflow-prone ops (softmax, norms, large "
+            "reductions, exp) in float32, lower the learning rate, or train in bf16 "
+            "(precision='bf16-mixed', torch.autocast(dtype=torch.bfloat16)), which needs no scaler.",
+        ),
+        data=data,
+    )
 
 
 def _most_dropped(amp: dict[str, Any], n: int) -> bool:
@@ -117,17 +124,17 @@ def _most_dropped_finding(amp: dict[str, Any], n: int, first: int, data: dict[st
         kind="amp_overflow",
         step=first + n - 1 if amp.get("open_at_end") else first,
         severity="warning",
-        message=(
-            f"The gradient scaler dropped {n} updates in a row (steps {first}-{first + n - 1}), {total} of the "
+        explanation=Explanation(
+            what=f"The gradient scaler dropped {n} updates in a row (steps {first}-{first + n - 1}), {total} of the "
             f"{run} steps so far: most of this training did not happen.{ended} The loss scale went from "
-            f"{_fmt(amp.get('scale'))} to {_fmt(amp.get('new_scale'))}.\n"
-            "Why it matters: a dropped update is a lost step. Dynamic loss scaling finds its scale within a "
+            f"{_fmt(amp.get('scale'))} to {_fmt(amp.get('new_scale'))}.",
+            why="a dropped update is a lost step. Dynamic loss scaling finds its scale within a "
             "few steps; this many in a row means the scale started far too high (each dropped step halves it), "
-            "or the gradients overflow float16 even unscaled, or are NaN/Inf for another reason.\n"
-            "Fix: start from the default init_scale (65536) or lower (GradScaler(init_scale=...)); if the scale "
+            "or the gradients overflow float16 even unscaled, or are NaN/Inf for another reason.",
+            fix="start from the default init_scale (65536) or lower (GradScaler(init_scale=...)); if the scale "
             "kept falling, check the loss and inputs for NaN/Inf, keep overflow-prone ops (softmax, norms, "
             "large reductions, exp) in float32, or train in bf16 (torch.autocast(dtype=torch.bfloat16), "
-            "precision='bf16-mixed'), which needs no scaler."
+            "precision='bf16-mixed'), which needs no scaler.",
         ),
         data={**data, "run_steps": run, "open_at_end": bool(amp.get("open_at_end"))},
     )

@@ -13,7 +13,7 @@ import weakref
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, layer_key, layer_norms
 
@@ -100,18 +100,18 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="dead_layer",
             step=stats.step,
             severity="warning",
-            message=(
-                f"Dead layer at step {stats.step}: the gradient of {names_text(new)} has been exactly zero for "
-                f"the last {config.dead_steps} checked steps while the other layers' was not.\n"
-                "Why it matters: the layer no longer learns and will not recover by itself. Nothing reaches "
+            explanation=Explanation(
+                what=f"Dead layer at step {stats.step}: the gradient of {names_text(new)} has been exactly zero for "
+                f"the last {config.dead_steps} checked steps while the other layers' was not.",
+                why="the layer no longer learns and will not recover by itself. Nothing reaches "
                 "its output: usually the ReLUs after it output zero for every input (dead ReLUs); or the loss "
                 "term it feeds is multiplied by 0 (a loss weight of 0 in a config, a term switched on later: "
-                "then this is expected until the weight is raised).\n"
-                "Fix: for dead ReLUs, use LeakyReLU or GELU instead of ReLU, lower the learning rate (a "
+                "then this is expected until the weight is raised).",
+                fix="for dead ReLUs, use LeakyReLU or GELU instead of ReLU, lower the learning rate (a "
                 "too-large step often kills the units), re-initialize the layer (kaiming init, biases at zero "
                 "or slightly positive) or add normalization before the activation. If the layer is simply not "
                 "used in forward, remove it (with zero_grad(set_to_none=False) an unused layer shows zero "
-                "gradients)."
+                "gradients).",
             ),
             params=params,
             module=new[0],

@@ -13,10 +13,9 @@ gradients stop at 0 right after (a saturated GAN discriminator). Reported once p
 
 from __future__ import annotations
 
-from gradwatch.checks.exploding import _init_scale as init_scale
-from gradwatch.checks.exploding import huge_lr
+from gradwatch.checks.exploding import huge_lr, init_scale
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
@@ -78,18 +77,18 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="lr_too_high",
             step=stats.step,
             severity="warning",
-            message=(
-                f"Learning rate far too high at step {stats.step}: the update before this step moved the "
+            explanation=Explanation(
+                what=f"Learning rate far too high at step {stats.step}: the update before this step moved the "
                 f"model's weights by {ratio:.3g}x their own norm in a single step, with {lr_text}{of}. "
                 f"A usual update is about {USUAL:g} of the weights' norm, so the learning rate is about "
-                f"{ratio / USUAL:.0e}x too large.\n"
-                "Why it matters: each update throws the weights far from where they were, so the model "
+                f"{ratio / USUAL:.0e}x too large.",
+                why="each update throws the weights far from where they were, so the model "
                 "cannot learn: the loss jumps and diverges, or the network saturates and its gradients go to "
                 "0. Clipping gradients does not help: it bounds the gradient, not the learning rate times it "
-                "(Adam's step is about lr per weight whatever the gradient).\n"
-                f"Fix: lower the learning rate ({lr_text} looks like a typo or a unit mix-up: SGD usually uses "
+                "(Adam's step is about lr per weight whatever the gradient).",
+                fix=f"lower the learning rate ({lr_text} looks like a typo or a unit mix-up: SGD usually uses "
                 "1e-3 to 1e-1, Adam 1e-5 to 1e-3); check a scheduler's peak (max_lr of OneCycleLR, the end of "
-                "a warm-up) and that the value reaches the optimizer as meant."
+                "a warm-up) and that the value reaches the optimizer as meant.",
             ),
             data={"ratio": ratio, "lr": lrs, "optimizer": stats.optimizer_index, "threshold": RATIO},
         )

@@ -32,10 +32,12 @@ from __future__ import annotations
 import math
 import weakref
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, ZeroGradFacts, layer_norms
 from gradwatch.observe.magnitude import (
@@ -220,7 +222,7 @@ def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) ->
     if ratio is None or not pt or not facts["total"] > ratio * pt:
         return
     params = stats.extra.get("params")
-    scale = _init_scale(params) if isinstance(params, list) else 0.0
+    scale = init_scale(params) if isinstance(params, list) else 0.0
     if not facts["total"] > ratio * scale:
         facts["init_scale"] = scale  # cleared at that scale alone: no need to read the weights again
         return
@@ -240,7 +242,7 @@ def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) ->
 _SCALE: list[tuple[Any, ...]] = [()]
 
 
-def _init_scale(params: list[Any]) -> float:
+def init_scale(params: list[Any]) -> float:
     """The norm PyTorch's default initialization gives these weights: nn.Linear and nn.ConvNd draw them with
     variance 1 / (3 fan_in), out_features / 3 per weight tensor in all. Vectors (biases, norm scales) are
     left out, so it never overstates that scale. Memoized for the latest parameter list (the optimizer's,
@@ -264,40 +266,60 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     reasons = _reasons(facts, config)
     pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
     if pending is not None:
-        if reasons == ["overflow"]:
-            stats.extra[_PENDING] = "reported"  # by the overflow finding below
-        elif facts["total"] > pending["total"] / FALL:
-            # A spike within the run's range that has not fallen back: reported after SETTLE checked steps,
-            # or at once when it grows RANGE_FACTOR x further or another test confirms it.
-            grown = facts["total"] > RANGE_FACTOR * pending["total"]
-            if pending["left"] <= 1 or grown or any(r != "spike" for r in reasons):
-                stats.extra[_RECORD] = pending["excess"]
-                stats.extra[_PENDING] = "reported"
-                where, jump = _locate(stats, history, facts["layers"])
-                also = [r for r in reasons if r != "spike"]
-                return [_finding(stats, dict(facts, where=where, jump=jump, since=pending), [*also, "spike"], config)]
-    if not reasons:
+        settled = _pending_verdict(stats, history, facts, reasons, pending, config)
+        if settled is not None:
+            return [settled]
+    if not reasons or _same_episode(stats, history, reasons, config):
         return []
-    recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
-    if reasons == ["overflow"]:
-        # An update skipped for it: reported unless the episode's overflow was (a warning about the same
-        # episode's growth before it overflowed does not say that updates are now skipped).
-        if any(f["overflow"] for f in recent):
-            return []
-    elif any(_reasons(f, config) for f in recent):
-        return []  # the same episode: reported already
-    if reasons == ["spike"]:
-        # Spikes of the same size recurring (a DQN's target-network sync, each curriculum stage): reported
-        # once; a later one only when it is RECORD_FACTOR x larger than every spike reported before.
-        record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
-        if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
-            return []
-        if pending is None and _within_range(facts, history):
-            stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
-            return []
-        stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
+    if reasons == ["spike"] and not _report_spike(stats, history, facts, pending):
+        return []
     where, jump = _locate(stats, history, facts["layers"])
     return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
+
+
+def _pending_verdict(
+    stats: StepStats, history: History, facts: dict[str, Any], reasons: list[str], pending: dict[str, Any],
+    config: Config,
+) -> Finding | None:
+    """A spike within the run's range that has not fallen back: reported after SETTLE checked steps, or at
+    once when it grows RANGE_FACTOR x further or another test confirms it."""
+    if reasons == ["overflow"]:
+        stats.extra[_PENDING] = "reported"  # by the overflow finding
+        return None
+    if not facts["total"] > pending["total"] / FALL:
+        return None
+    grown = facts["total"] > RANGE_FACTOR * pending["total"]
+    if not (pending["left"] <= 1 or grown or any(r != "spike" for r in reasons)):
+        return None
+    stats.extra[_RECORD] = pending["excess"]
+    stats.extra[_PENDING] = "reported"
+    where, jump = _locate(stats, history, facts["layers"])
+    also = [r for r in reasons if r != "spike"]
+    return _finding(stats, dict(facts, where=where, jump=jump, since=pending), [*also, "spike"], config)
+
+
+def _same_episode(stats: StepStats, history: History, reasons: list[str], config: Config) -> bool:
+    """The explosion of a recent step was reported already. An overflow (the update is skipped) is reported
+    unless the episode's overflow was: a warning about the same episode's growth before it overflowed does
+    not say that updates are now skipped."""
+    recent = history.memory.get(_KEY, {}).get(stats.optimizer_index, ())
+    if reasons == ["overflow"]:
+        return any(f["overflow"] for f in recent)
+    return any(_reasons(f, config) for f in recent)
+
+
+def _report_spike(stats: StepStats, history: History, facts: dict[str, Any], pending: Any) -> bool:
+    """Spikes of the same size recurring (a DQN's target-network sync, each curriculum stage) are reported
+    once; a later one only when it is RECORD_FACTOR x larger than every spike reported before. One within
+    the run's range waits to see whether it falls back. Leaves notes for remember."""
+    record = history.memory.get(_RECORD, {}).get(stats.optimizer_index)
+    if record is not None and facts["excess"] <= record + math.log(RECORD_FACTOR):
+        return False
+    if pending is None and _within_range(facts, history):
+        stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+        return False
+    stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
+    return True
 
 
 def after_explosion(stats: StepStats, history: History) -> str:
@@ -395,144 +417,261 @@ def remember(stats: StepStats, history: History) -> None:
         peaks[stats.optimizer_index] = max(max(facts["logs"]), peaks.get(stats.optimizer_index, -math.inf))
 
 
-def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
-    total = facts["total"]
+@dataclass(frozen=True)
+class Explosion:
+    """The facts an ``exploding_grad`` finding states: why it fired, how large, where, and what is in place."""
+
+    step: int
+    #: Tests that fired, among ``overflow``, ``bound``, ``ratio``, ``spike``.
+    reasons: tuple[str, ...]
+    total: float
+    where: str | None
+    layers: dict[str, float]
+    jump: float | None
+    overflow: tuple[str, ...]
+    exploding_norm: float | None
+    exploding_ratio: float | None
+    #: The norm a default init gives the weights, when the ratio test judged against it.
+    init_scale: float | None
+    param_total: float | None
+    median: float | None
+    n: int
+    #: The pending spike this finding reports after it did not fall back (its step, total, median, n).
+    since: dict[str, Any] | None
+    on_nonfinite: str
+    #: How clipping in place bounds the update (None: no clipping), and by whom (``module`` or the loop).
+    clipped: str | None
+    clip_how: str | None
+    #: A learning rate far outside the usual range in the first steps (None otherwise).
+    lr: float | None
+    optimizer_class: str
+    clip_advice: str
+    #: Backward passes the update sums by hand, with a loss perhaps not divided by them (0: none).
+    accumulated: int
+
+
+def explosion_facts(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Explosion:
+    since = facts.get("since")
+    overflow = "overflow" in reasons
+    # Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping.
+    clipped = None if overflow else clipping_in_place(stats, this_step=since is None)
+    return Explosion(
+        step=stats.step,
+        reasons=tuple(reasons),
+        total=facts["total"],
+        where=_where(stats, facts, reasons, config),
+        layers=facts["layers"],
+        jump=facts.get("jump"),
+        overflow=tuple(facts["overflow"]),
+        exploding_norm=config.exploding_norm,
+        exploding_ratio=config.exploding_ratio,
+        init_scale=facts.get("init_scale"),
+        param_total=facts["param_total"],
+        median=facts["median"],
+        n=facts["n"],
+        since=since,
+        on_nonfinite=config.on_nonfinite,
+        clipped=clipped,
+        clip_how=stats.extra["clipping"]["how"] if clipped is not None else None,
+        lr=huge_lr(stats) if stats.step < FIRST_STEPS else None,
+        optimizer_class=type(stats.extra.get("optimizer")).__name__,
+        clip_advice=clip_advice(stats) if clipped is None else "",
+        accumulated=_accumulated(stats),
+    )
+
+
+def _where(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> str | None:
+    """The module to name: the one holding the first overflowing norm, or the layer most over
+    ``exploding_norm``, or the one that jumped most."""
     where = facts["where"]
-    layers: dict[str, float] = facts["layers"]
-    what: list[str] = []
     if "overflow" in reasons:
-        what.append(
-            f"the gradient norm of {', '.join(facts['overflow'][:4])} overflows float32 (inf) although every "
-            "element is finite"
-        )
-        where = None
-        for name, m in zip(stats.names, stats.modules):
-            if name in facts["overflow"]:
-                where = "<root>" if m == "" else m
-                break
+        where = next(("<root>" if m == "" else m for n, m in zip(stats.names, stats.modules)
+                      if n in facts["overflow"]), None)
     if "bound" in reasons:
-        over = {k: v for k, v in layers.items() if v > (config.exploding_norm or math.inf)}
+        over = {k: v for k, v in facts["layers"].items() if v > (config.exploding_norm or math.inf)}
         if over:
             where = max(over, key=lambda k: over[k])
-        what.append(f"the gradient norm {_f(total)} is above exploding_norm={config.exploding_norm:g}")
-    if "ratio" in reasons and facts.get("init_scale"):
-        scale = facts["init_scale"]
-        what.append(
-            f"the gradient norm {_f(total)} is {total / scale:.3g}x the norm a default initialization would give "
-            f"these weights ({_f(scale)}; they are at {_f(facts['param_total'])}; "
-            f"exploding_ratio={config.exploding_ratio:g})"
+    return where
+
+
+def _overflow_words(e: Explosion) -> str:
+    return (
+        f"the gradient norm of {', '.join(e.overflow[:4])} overflows float32 (inf) although every element is finite"
+    )
+
+
+def _bound_words(e: Explosion) -> str:
+    return f"the gradient norm {_f(e.total)} is above exploding_norm={e.exploding_norm:g}"
+
+
+def _ratio_words(e: Explosion) -> str:
+    if e.init_scale:
+        return (
+            f"the gradient norm {_f(e.total)} is {e.total / e.init_scale:.3g}x the norm a default initialization "
+            f"would give these weights ({_f(e.init_scale)}; they are at {_f(e.param_total)}; "
+            f"exploding_ratio={e.exploding_ratio:g})"
         )
-    elif "ratio" in reasons:
-        what.append(
-            f"the gradient norm {_f(total)} is {total / facts['param_total']:.3g}x the norm of the weights "
-            f"({_f(facts['param_total'])}; exploding_ratio={config.exploding_ratio:g})"
+    return (  # the ratio test fires only against a measured norm
+        f"the gradient norm {_f(e.total)} is {e.total / e.param_total:.3g}x the norm of the weights "
+        f"({_f(e.param_total)}; exploding_ratio={e.exploding_ratio:g})"
+    )
+
+
+def _spike_words(e: Explosion) -> str:
+    if e.since is not None:
+        med = e.since["median"]
+        return (
+            f"the gradient norm jumped at step {e.since['step']} to {_f(e.since['total'])}, "
+            f"{e.since['total'] / med:.3g}x its median of {_f(med)} over the {e.since['n']} checked steps before, "
+            f"and has not fallen back since ({_f(e.total)} now)"
         )
-    since = facts.get("since")
-    if "spike" in reasons and since is not None:
-        med = since["median"]
-        what.append(
-            f"the gradient norm jumped at step {since['step']} to {_f(since['total'])}, "
-            f"{since['total'] / med:.3g}x its median of {_f(med)} over the {since['n']} checked steps before, "
-            f"and has not fallen back since ({_f(total)} now)"
-        )
-    elif "spike" in reasons:
-        med = facts["median"]
-        what.append(
-            f"the gradient norm jumped to {_f(total)}, {total / med:.3g}x its median of {_f(med)} over the "
-            f"last {facts['n']} checked steps"
-        )
-    if where is not None and where in layers and "overflow" not in reasons:
-        jump = facts.get("jump")
-        detail = f" (norm {_f(layers[where])}" + (f", {jump:.3g}x its own median)" if jump else ")")
-        place = f"Largest in module {where}{detail}."
-    elif where is not None:
-        place = f"In module {where}."
+    return (  # the spike test fires only against a median
+        f"the gradient norm jumped to {_f(e.total)}, {e.total / e.median:.3g}x its median of {_f(e.median)} over "
+        f"the last {e.n} checked steps"
+    )
+
+
+#: What each test that fired says, in this order.
+_REASON_WORDS: dict[str, Callable[[Explosion], str]] = {
+    "overflow": _overflow_words,
+    "bound": _bound_words,
+    "ratio": _ratio_words,
+    "spike": _spike_words,
+}
+
+#: What gradwatch did about an overflowing norm, per ``on_nonfinite``.
+_OVERFLOW_ACTION = {
+    "skip": "gradwatch skipped this update (it would overflow the next forward pass): parameters and "
+    "optimizer state are unchanged.",
+    "warn": "on_nonfinite='warn': the update was applied; the next forward pass is likely to overflow.",
+    "raise": "on_nonfinite='raise': training stops before the update.",
+}
+
+
+def _place(e: Explosion) -> str:
+    overflow = "overflow" in e.reasons
+    if e.where is not None and e.where in e.layers and not overflow:
+        detail = f" (norm {_f(e.layers[e.where])}" + (f", {e.jump:.3g}x its own median)" if e.jump else ")")
+        place = f"Largest in module {e.where}{detail}."
+    elif e.where is not None:
+        place = f"In module {e.where}."
     else:
         place = ""
-    if "overflow" in reasons:
-        place += (" " if place else "") + {
-            "skip": "gradwatch skipped this update (it would overflow the next forward pass): parameters and "
-            "optimizer state are unchanged.",
-            "warn": "on_nonfinite='warn': the update was applied; the next forward pass is likely to overflow.",
-            "raise": "on_nonfinite='raise': training stops before the update.",
-        }[config.on_nonfinite]
-    # Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping.
-    clipped = None if "overflow" in reasons else clipping_in_place(stats, this_step=since is None)
-    lr = huge_lr(stats) if stats.step < FIRST_STEPS else None
-    if "overflow" not in reasons and clipped is None:
-        ratio = "ratio" in reasons and facts.get("param_total")
-        factor, of = (total / facts["param_total"], "the weights' norm") if ratio else (
-            (total / facts["median"], "its median") if facts.get("median") else (None, None)
-        )
-        if ratio or lr is not None:  # not a transient spike of a healthy run: the weights are thrown off
-            stats.extra[APPLIED] = {"step": stats.step, "factor": factor, "of": of,
-                                    "optimizer": stats.optimizer_index, "lr": lr}
-    lead = ""
-    if lr is not None:
-        # In the first steps, with a learning rate far outside the usual range: the typo comes first.
-        lead = (
-            f"lower the learning rate first: lr={lr:g} ({type(stats.extra.get('optimizer')).__name__}) is far "
-            "above the usual range (SGD ~1e-3 to 1e-1, Adam ~1e-5 to 1e-3; a typo such as 2 for 2e-2?), and an "
-            "update of lr times this gradient throws the weights out of range in the first steps; then "
-        )
-    if clipped is not None:
-        why = (
-            f"Why it matters: {clipped}, so {_UNLESS.get(stats.extra['clipping']['how'], '')}the weights did "
-            "not move by this gradient's size. But a gradient "
-            "this far above its usual size means this batch or the training went wrong (an outlier or "
-            "mislabelled batch, a loss term that blew up, a learning rate too high for this point of training); "
-            "while clipping scales such steps down, each one steers the weights by one bad batch and hides the "
-            "cause until the loss diverges.\n"
-        )
-        fix = (
-            f"Fix: clipping is in place (keep it); {lead or 'lower the learning rate or lengthen its warm-up, and '}"
-            "check this step's batch for outliers (its loss, labels and inputs)"
-        )
-    else:
-        why = (
-            "Why it matters: an update this large throws the weights far from where training was: the loss "
-            "jumps or diverges, and Adam's moment estimates stay polluted for many steps.\n"
-        )
-        fix = (
-            f"Fix: {lead}clip gradients ({clip_advice(stats)}), lower the learning rate or lengthen its warm-up, "
-            "and check the batch for outliers"
-        )
-    message = (
-        f"Exploding gradient at step {stats.step}: " + "; ".join(what) + ". " + place + "\n" + why + fix
-        + _accumulation_hint(stats) + "; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
-        "LSTM/GRU; for deep nets add normalization or residual connections. (If the objective changed at this "
-        "step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is expected.)"
+    if overflow:
+        place += (" " if place else "") + _OVERFLOW_ACTION[e.on_nonfinite]
+    return place
+
+
+def _lead(e: Explosion) -> str:
+    """In the first steps, with a learning rate far outside the usual range: the typo comes first."""
+    if e.lr is None:
+        return ""
+    return (
+        f"lower the learning rate first: lr={e.lr:g} ({e.optimizer_class}) is far "
+        "above the usual range (SGD ~1e-3 to 1e-1, Adam ~1e-5 to 1e-3; a typo such as 2 for 2e-2?), and an "
+        "update of lr times this gradient throws the weights out of range in the first steps; then "
     )
-    top = sorted(layers.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:5]
+
+
+def _clipped_words(e: Explosion) -> tuple[str, str]:
+    why = (
+        f"{e.clipped}, so {_UNLESS.get(e.clip_how or '', '')}the weights did not move by this gradient's size. But "
+        "a gradient this far above its usual size means this batch or the training went wrong (an outlier or "
+        "mislabelled batch, a loss term that blew up, a learning rate too high for this point of training); "
+        "while clipping scales such steps down, each one steers the weights by one bad batch and hides the "
+        "cause until the loss diverges."
+    )
+    fix = (
+        f"clipping is in place (keep it); {_lead(e) or 'lower the learning rate or lengthen its warm-up, and '}"
+        "check this step's batch for outliers (its loss, labels and inputs)"
+    )
+    return why, fix
+
+
+def _unclipped_words(e: Explosion) -> tuple[str, str]:
+    why = (
+        "an update this large throws the weights far from where training was: the loss "
+        "jumps or diverges, and Adam's moment estimates stay polluted for many steps."
+    )
+    fix = (
+        f"{_lead(e)}clip gradients ({e.clip_advice}), lower the learning rate or lengthen its warm-up, "
+        "and check the batch for outliers"
+    )
+    return why, fix
+
+
+#: Said after every fix: the usual structural causes, and a jump planned by the training code.
+_STRUCTURAL = (
+    "; for RNNs use a smaller (or orthogonal) init of the recurrent weights, or an "
+    "LSTM/GRU; for deep nets add normalization or residual connections. (If the objective changed at this "
+    "step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is expected.)"
+)
+
+
+def explosion_explanation(e: Explosion) -> Explanation:
+    what = [words(e) for reason, words in _REASON_WORDS.items() if reason in e.reasons]
+    why, fix = _clipped_words(e) if e.clipped is not None else _unclipped_words(e)
+    return Explanation(
+        what=f"Exploding gradient at step {e.step}: " + "; ".join(what) + ". " + _place(e),
+        why=why,
+        fix=fix + _accumulation_words(e.accumulated) + _STRUCTURAL,
+    )
+
+
+def _note_applied(stats: StepStats, e: Explosion) -> None:
+    """A note for remember: an update thrown far by this gradient was applied (not an overflow, which is
+    skipped; not clipped), so the non-finite steps that follow name it as their likely cause."""
+    if "overflow" in e.reasons or e.clipped is not None:
+        return
+    ratio = "ratio" in e.reasons and e.param_total
+    if not (ratio or e.lr is not None):  # a transient spike of a healthy run: the weights are not thrown off
+        return
+    if ratio:
+        factor, of = e.total / e.param_total, "the weights' norm"  # type: ignore[operator]
+    else:
+        factor, of = (e.total / e.median, "its median") if e.median else (None, None)
+    stats.extra[APPLIED] = {"step": stats.step, "factor": factor, "of": of,
+                            "optimizer": stats.optimizer_index, "lr": e.lr}
+
+
+def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
+    e = explosion_facts(stats, facts, reasons, config)
+    _note_applied(stats, e)
+    top = sorted(e.layers.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:5]
     return Finding(
         kind="exploding_grad",
         step=stats.step,
         severity="error" if "overflow" in reasons else "warning",
-        message=message,
-        module=where,
+        explanation=explosion_explanation(e),
+        module=e.where,
         data={
             "reasons": reasons,
-            "total_norm": total,
-            "median_norm": since["median"] if since is not None else facts["median"],
-            "param_norm": facts["param_total"],
+            "total_norm": e.total,
+            "median_norm": e.since["median"] if e.since is not None else e.median,
+            "param_norm": e.param_total,
             "optimizer": stats.optimizer_index,
-            "overflow": list(facts["overflow"]),
+            "overflow": list(e.overflow),
             "table": [{"layer": k, "grad_norm": v} for k, v in top],
-            **({"since": since["step"]} if since is not None else {}),
-            **({"huge_lr": lr} if lr is not None else {}),
+            **({"since": e.since["step"]} if e.since is not None else {}),
+            **({"huge_lr": e.lr} if e.lr is not None else {}),
         },
     )
 
 
-def _accumulation_hint(stats: StepStats) -> str:
-    """The step sums several backward passes (gradient accumulation by hand): a loss not divided by their
-    number makes the gradient, and the update, that many times larger. Not in Lightning's automatic
+def _accumulated(stats: StepStats) -> int:
+    """The backward passes the step sums by hand (gradient accumulation), 0 if not: a loss not divided by
+    their number makes the gradient, and the update, that many times larger. Not in Lightning's automatic
     optimization, which divides the loss by accumulate_grad_batches itself."""
     passes = stats.extra.get("backward_passes")
     facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     if not (isinstance(passes, tuple) and passes[0] >= 2 and passes[1] == 0) or facts.get("lightning_automatic"):
+        return 0
+    return int(passes[0])
+
+
+def _accumulation_words(n: int) -> str:
+    if not n:
         return ""
-    n = passes[0]
     return (
         f"; this update sums {n} backward passes: if each micro-batch's loss is not divided by {n} "
         f"((loss / {n}).backward()), the gradient and the update are {n}x what one batch tuned the learning "

@@ -13,7 +13,7 @@ import operator
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import once_per_check
@@ -58,15 +58,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind=_KEY,
             step=stats.step,
             severity="warning",
-            message=(
-                f"{len(names)} parameter(s) have requires_grad=False but still hold a gradient at step "
+            explanation=Explanation(
+                what=f"{len(names)} parameter(s) have requires_grad=False but still hold a gradient at step "
                 f"{stats.step} (a zero tensor that zero_grad(set_to_none=False) keeps), so {kind} keeps "
-                f"updating them with its {' and '.join(why)}: {names_text(names)}.\n"
-                "Why it matters: the layers you froze keep drifting; fine-tuning or a frozen teacher silently "
-                "changes.\n"
-                "Fix: when freezing, also drop their gradients (p.grad = None, or zero_grad(set_to_none=True), "
+                f"updating them with its {' and '.join(why)}: {names_text(names)}.",
+                why="the layers you froze keep drifting; fine-tuning or a frozen teacher silently changes.",
+                fix="when freezing, also drop their gradients (p.grad = None, or zero_grad(set_to_none=True), "
                 "the default), or remove them from the optimizer; a param group with lr=0 still applies weight "
-                "decay in AdamW."
+                "decay in AdamW.",
             ),
             params=tuple(names),
             data={"optimizer": stats.optimizer_index, "causes": why, "count": len(names)},

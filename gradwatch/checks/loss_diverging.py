@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import median
@@ -151,31 +151,35 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     start, level, n, reference = facts
     lrs = _learning_rates(stats.extra.get("optimizer"))
     lr_text = f" (learning rate now {lrs})" if lrs else ""
-    why = (
-        "the gradient norm already overflows float32, so gradwatch skips these updates and the run has "
-        "stalled; lowering the learning rate is the way out"
-        if stats.overflow_norm and config.on_nonfinite == "skip"
-        else "the gradients are finite, so nothing else stops the run, but it is moving away from a solution; "
-        "the longer it runs, the less of the start is left to recover"
-    )
+    why = _WHY["stalled" if stats.overflow_norm and config.on_nonfinite == "skip" else "moving_away"]
     return [
         Finding(
             kind=_KEY,
             step=stats.step,
             severity="warning",
-            message=(
-                f"The loss is diverging: its median over the last {n} checked steps is {level:.4g}, "
+            explanation=Explanation(
+                what=f"The loss is diverging: its median over the last {n} checked steps is {level:.4g}, "
                 f"{level / start:.3g}x the {start:.4g} it started at ({REFERENCES[reference][0]}), "
-                f"and none of those steps came back below {FLOOR:g}x the start{lr_text}.\n"
-                f"Why it matters: {why}.\n"
-                "Fix: lower the learning rate (10x at a time; check for a typo such as lr=1 instead of 1e-3), "
+                f"and none of those steps came back below {FLOOR:g}x the start{lr_text}.",
+                why=f"{why}.",
+                fix="lower the learning rate (10x at a time; check for a typo such as lr=1 instead of 1e-3), "
                 "add a warm-up for Adam on Transformers, clip gradients "
                 "(torch.nn.utils.clip_grad_norm_), and check that the loss is minimized (not maximized) "
-                "with targets on the scale the model can reach."
+                "with targets on the scale the model can reach.",
             ),
             data={"start": start, "median": level, "ratio": level / start, "steps": n, "reference": reference},
         )
     ]
+
+
+#: Why a diverging loss matters, by where the run is: its updates skipped for an overflowing gradient norm
+#: (stalled), or still applied (moving away from a solution).
+_WHY = {
+    "stalled": "the gradient norm already overflows float32, so gradwatch skips these updates and the run has "
+    "stalled; lowering the learning rate is the way out",
+    "moving_away": "the gradients are finite, so nothing else stops the run, but it is moving away from a solution; "
+    "the longer it runs, the less of the start is left to recover",
+}
 
 
 def _died_finding(stats: StepStats, start: float, peak: float) -> Finding:
@@ -185,17 +189,17 @@ def _died_finding(stats: StepStats, start: float, peak: float) -> Finding:
         kind=_KEY,
         step=stats.step,
         severity="warning",
-        message=(
-            f"The loss diverged and the model died: it rose from {start:.4g} (lowest of the first {FAST} checked "
+        explanation=Explanation(
+            what=f"The loss diverged and the model died: it rose from {start:.4g} (lowest of the first {FAST} checked "
             f"steps) to {peak:.4g}, {peak / start:.3g}x, and for the last {DEAD} checked steps every gradient has "
-            f"been exactly zero, the loss stuck at {stats.loss:.4g}{lr_text}.\n"
-            "Why it matters: the updates threw the weights so far that no gradient flows back any more "
+            f"been exactly zero, the loss stuck at {stats.loss:.4g}{lr_text}.",
+            why="the updates threw the weights so far that no gradient flows back any more "
             "(saturated or dead units); the loss looks calm, but the run has stopped learning and will not "
-            "recover by itself.\n"
-            "Fix: restart from the initial weights (or a checkpoint from before the jump) with a lower learning "
+            "recover by itself.",
+            fix="restart from the initial weights (or a checkpoint from before the jump) with a lower learning "
             "rate (10x at a time; check for a typo, and that a warm-up schedule starts low: a LambdaLR factor "
             "above 1 at step 0 multiplies the peak learning rate), and clip gradients "
-            "(torch.nn.utils.clip_grad_norm_)."
+            "(torch.nn.utils.clip_grad_norm_).",
         ),
         data={"start": start, "peak": peak, "ratio": peak / start, "dead_steps": DEAD, "died": True},
     )

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.observe.magnitude import (
     EARLY_LOSS,
@@ -157,11 +157,7 @@ def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str
         kind="loss_spike",
         step=stats.step,
         severity="warning",
-        message=(
-            what + "\n" + _why_and_fix(stats, since is None) + " (If the objective or the data changed "
-            "at this step on purpose, e.g. a loss term switched on or a harder curriculum stage, a jump is "
-            "expected.)"
-        ),
+        explanation=_explain(what, stats, since is None),
         data={
             "loss": loss,
             "median": m,
@@ -172,24 +168,45 @@ def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str
     )
 
 
-def _why_and_fix(stats: Any, this_step: bool) -> str:
+#: Said after every fix: a jump planned by the training code is not a fault.
+_EXPECTED = (
+    " (If the objective or the data changed at this step on purpose, e.g. a loss term switched on or a harder "
+    "curriculum stage, a jump is expected.)"
+)
+
+
+def _explain(what: str, stats: Any, this_step: bool) -> Explanation:
     """Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping."""
     clipped = clipping_in_place(stats, this_step)
-    if clipped is not None:
-        return (
-            f"Why it matters: a spike often precedes divergence; {clipped}, so "
-            + ("if it clipped this step, " if stats.extra["clipping"]["how"] == "module" else "")
-            + "this update did not throw the weights far, but the batch or the training that produced the "
-            "spike still needs a look.\n"
-            "Fix: clipping is in place (keep it); lower the learning rate or lengthen warm-up, and check this "
-            "step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
-        )
-    return (
-        "Why it matters: a spike often precedes divergence, and even when the loss recovers the "
-        "weights were pushed away from where training was (progress lost, Adam's moments polluted).\n"
-        f"Fix: lower the learning rate or lengthen warm-up, clip gradients ({clip_advice(stats)}), and check "
+    why, fix = _clipped_words(stats, clipped) if clipped is not None else _unclipped_words(stats)
+    return Explanation(what=what, why=why, fix=fix + _EXPECTED)
+
+
+def _clipped_words(stats: Any, clipped: str) -> tuple[str, str]:
+    """Why and fix when the loop already clips: this update was bounded, the batch still needs a look."""
+    unless = "if it clipped this step, " if stats.extra["clipping"]["how"] == "module" else ""
+    why = (
+        f"a spike often precedes divergence; {clipped}, so {unless}this update did not throw the weights far, "
+        "but the batch or the training that produced the spike still needs a look."
+    )
+    fix = (
+        "clipping is in place (keep it); lower the learning rate or lengthen warm-up, and check this "
+        "step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
+    )
+    return why, fix
+
+
+def _unclipped_words(stats: Any) -> tuple[str, str]:
+    """Why and fix when nothing bounds the update: clip, and look at the batch."""
+    why = (
+        "a spike often precedes divergence, and even when the loss recovers the "
+        "weights were pushed away from where training was (progress lost, Adam's moments polluted)."
+    )
+    fix = (
+        f"lower the learning rate or lengthen warm-up, clip gradients ({clip_advice(stats)}), and check "
         "this step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
     )
+    return why, fix
 
 
 def remember(stats: Any, history: History) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gradwatch.checks.not_in_optimizer import built_for_another_model
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -24,13 +24,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="no_grads",
             step=stats.step,
             severity="error",
-            message=(
-                f"optimizer {stats.optimizer_index}.step() was called at step {stats.step} while none of its "
-                f"{len(stats.none_grad)} trainable parameters has a gradient, so nothing is updated.\n"
-                "Why it matters: training makes no progress at all.\n"
-                "Fix: call loss.backward() before optimizer.step(), make sure the loss depends on the "
+            explanation=Explanation(
+                what=f"optimizer {stats.optimizer_index}.step() was called at step {stats.step} while none of its "
+                f"{len(stats.none_grad)} trainable parameters has a gradient, so nothing is updated.",
+                why="training makes no progress at all.",
+                fix="call loss.backward() before optimizer.step(), make sure the loss depends on the "
                 "model's parameters (not computed under torch.no_grad() or from detached outputs), and call "
-                "optimizer.zero_grad() before backward, not between backward and step."
+                "optimizer.zero_grad() before backward, not between backward and step.",
             ),
             params=stats.none_grad,
             data={"optimizer": stats.optimizer_index, "count": len(stats.none_grad)},

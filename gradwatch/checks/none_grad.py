@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
 _EMPTY: frozenset[str] = frozenset()
+#: A parameter's place in a ModuleList/ModuleDict: (the container's path, the member's key).
+Member = tuple[str, str]
+#: Per container path, member keys.
+Keys = dict[str, set[str]]
 
 
 def _never(stats: StepStats, history: History) -> frozenset[str]:
@@ -64,50 +71,163 @@ def _idle_in_every_member(fresh: tuple[str, ...], stats: StepStats) -> str:
     )
 
 
-def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
-    """The parameters to report at this step, and the members of containers waiting for their grace."""
-    i = stats.optimizer_index
-    seen = history.reported.get(f"none_grad/{i}", frozenset())
-    never = _never(stats, history)
+def _fresh(stats: StepStats, history: History, never: frozenset[str]) -> list[str]:
+    """Parameters without a gradient that never had one, not reported yet, and the model's own."""
+    seen = history.reported.get(f"none_grad/{stats.optimizer_index}", frozenset())
     # Parameters the model does not own are foreign_params' (or not_in_optimizer's) to report.
     foreign = set(stats.foreign)
     # Parameters the step's graph reached: backward gave them a gradient that the training code set to None
     # on purpose (a layer kept frozen for the first epoch by dropping its gradient): not unused.
     dropped = stats.extra.get("grad_dropped") or frozenset()
-    fresh = [n for n in stats.none_grad if n in never and n not in seen and n not in foreign and n not in dropped]
-    waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{i}", {}))
+    return [n for n in stats.none_grad if n in never and n not in seen and n not in foreign and n not in dropped]
+
+
+def _containers(stats: StepStats, member_of: Callable[[str], Member | None]) -> tuple[Keys, Keys]:
+    """Per ModuleList/ModuleDict: the members with a gradient this step, and every trainable member."""
+    busy: Keys = {}
+    for m in filter(None, map(member_of, stats.names)):
+        busy.setdefault(m[0], set()).add(m[1])
+    every: Keys = {c: set(keys) for c, keys in busy.items()}
+    for n in stats.none_grad:
+        member = member_of(n)
+        if member is not None:
+            every.setdefault(member[0], set()).add(member[1])
+    return busy, every
+
+
+def _in_grace(name: str, member: Member | None, containers: tuple[Keys, Keys], none: frozenset[str],
+              waiting: dict[str, int], step: int, every: int) -> bool:
+    """A member of a container whose siblings got gradients this step, still within its grace (counted
+    from the step it first went without one, noted in ``waiting``)."""
+    if member is None:
+        return False
+    busy, members = containers
+    busy_keys = busy.get(member[0], set())
+    if not busy_keys - {member[1]} or _unused_in_every_member(name, member, busy_keys, none):
+        return False
+    grace = max(MEMBER_GRACE, PER_MEMBER * len(members[member[0]])) * every
+    return step - waiting.setdefault(name, step) < grace
+
+
+def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The parameters to report at this step, and the members of containers waiting for their grace."""
+    never = _never(stats, history)
+    fresh = _fresh(stats, history, never)
+    waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {}))
     member_of = stats.extra.get("member_of")
+    every = max(1, config.every)
     if fresh and stats.extra.get("unused_expected"):
         # DDP(find_unused_parameters=True): parameters unused on some steps are expected; each gets
         # MEMBER_GRACE checked steps to get a gradient before it is reported.
-        grace = MEMBER_GRACE * max(1, config.every)
-        now = [n for n in fresh if stats.step - waiting.setdefault(n, stats.step) >= grace]
-        return tuple(now), {n: s for n, s in waiting.items() if n in never and n not in now}
-    if not fresh or not callable(member_of):
+        now = [n for n in fresh if stats.step - waiting.setdefault(n, stats.step) >= MEMBER_GRACE * every]
+    elif not fresh or not callable(member_of):
         return tuple(fresh), {}
-    # Members of a ModuleList/ModuleDict whose siblings got gradients this step: used on some steps only?
-    busy = {m for m in map(member_of, stats.names) if m is not None}
-    busy_containers: dict[str, set[str]] = {}
-    for container, key in busy:
-        busy_containers.setdefault(container, set()).add(key)
-    idle_keys: dict[str, set[str]] = {}
-    for n in stats.none_grad:  # with the busy ones: every trainable member the optimizer holds
-        member = member_of(n)
-        if member is not None:
-            idle_keys.setdefault(member[0], set()).add(member[1])
-    none = frozenset(stats.none_grad)
-    now: list[str] = []
-    for n in fresh:
-        member = member_of(n)
-        busy_keys = busy_containers.get(member[0], set()) if member is not None else set()
-        if member is not None and busy_keys - {member[1]} and not _unused_in_every_member(n, member, busy_keys, none):
-            members = len(busy_containers[member[0]] | idle_keys.get(member[0], set()))
-            grace = max(MEMBER_GRACE, PER_MEMBER * members) * max(1, config.every)
-            first = waiting.setdefault(n, stats.step)
-            if stats.step - first < grace:
-                continue
-        now.append(n)
+    else:
+        # Members of a ModuleList/ModuleDict whose siblings got gradients this step: used on some steps only?
+        containers = _containers(stats, member_of)
+        none = frozenset(stats.none_grad)
+        now = [n for n in fresh if not _in_grace(n, member_of(n), containers, none, waiting, stats.step, every)]
     return tuple(now), {n: s for n, s in waiting.items() if n in never and n not in now}
+
+
+@dataclass(frozen=True)
+class NoneGradFacts:
+    """What ``none_grad`` says about the parameters reported at one step."""
+
+    step: int
+    optimizer: int
+    params: tuple[str, ...]
+    #: The step their grace began (members of a container, parameters under DDP), or None.
+    since: int | None
+    #: ``gw.check()`` without an optimizer: the update is the user's own code.
+    with_optimizer: bool
+    unused_expected: bool
+    #: zero_grad() ran between this step's backward passes.
+    cleared: bool
+    #: Words for parts unused in every member of their container ("" if none).
+    idle_parts: str
+    #: Per reentrant checkpoint fed an input without grad, the reported parameters inside it.
+    cut: dict[str, list[str]]
+
+
+def none_grad_facts(stats: StepStats, history: History, fresh: tuple[str, ...]) -> NoneGradFacts:
+    waited = history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {})
+    # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
+    replay = stats.extra.get("reentrant_cut")
+    cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
+    return NoneGradFacts(
+        step=stats.step,
+        optimizer=stats.optimizer_index,
+        params=fresh,
+        since=min((waited[n] for n in fresh if n in waited), default=None),
+        # Without an optimizer (gw.check() before a hand-written update) there is no "optimizer 0".
+        with_optimizer=stats.extra.get("optimizer") is not None,
+        unused_expected=bool(stats.extra.get("unused_expected")),
+        cleared=bool(stats.extra.get("cleared_between_backwards")),
+        idle_parts=_idle_in_every_member(fresh, stats),
+        cut={m: names for m, names in cut.items() if names},
+    )
+
+
+def none_grad_cause(f: NoneGradFacts) -> str:
+    """The likely cause to name, if any: a reentrant checkpoint cut the graph, zero_grad() between the
+    step's backward passes, a part no member's forward calls; or ``none``."""
+    if f.cut:
+        return "reentrant"
+    if f.cleared:
+        return "cleared"
+    return "idle_part" if f.idle_parts else "none"
+
+
+def _reentrant_cause(f: NoneGradFacts) -> str:
+    from gradwatch.diagnose.escalation import reentrant_cause
+
+    return reentrant_cause(f.cut)
+
+
+#: The "Likely cause here" line, by cause.
+_CAUSE_WORDS: dict[str, Callable[[NoneGradFacts], str]] = {
+    "reentrant": _reentrant_cause,
+    "cleared": lambda f: (
+        "zero_grad() ran between this step's backward passes and wiped what the earlier "
+        "loss's backward gave them (two losses with retain_graph=True, zero_grad() in between). Call "
+        "zero_grad() once per step, before the first backward(); or, if that clearing is meant (SAM, "
+        "adversarial examples), use them in the last loss too."
+    ),
+    "idle_part": lambda f: f.idle_parts,
+}
+
+
+def none_grad_explanation(f: NoneGradFacts) -> Explanation:
+    if f.since is None:
+        when = f"at step {f.step}"
+    else:
+        members = "" if f.unused_expected else " (while other members of their ModuleList/ModuleDict did)"
+        when = f"at any checked step since step {f.since}{members}"
+    whose = f"in optimizer {f.optimizer}" if f.with_optimizer else "of the model"
+    updater = "the optimizer never updates them" if f.with_optimizer else "the update (by hand) never changes them"
+    cause = none_grad_cause(f)
+    likely = f"Likely cause here: {_CAUSE_WORDS[cause](f)}\n" if cause != "none" else ""
+    fix = (
+        "use them in forward on the path to the loss (check for a branch that is never taken or an output that "
+        "is detached or dropped), or freeze them with requires_grad_(False), or leave them out of "
+        f"{'the optimizer' if f.with_optimizer else 'the update'}."
+    )
+    return Explanation(
+        what=f"{len(f.params)} trainable parameter(s) {whose} got no gradient {when}: {names_text(f.params)}.",
+        why=f"{updater} (their .grad is None), and under DistributedDataParallel they make backward fail or "
+        f"require find_unused_parameters=True.\n{likely}{_ONCE}",
+        fix="" if cause == "reentrant" else fix,  # the reentrant checkpoint's cause carries its fix
+    )
+
+
+#: When none_grad speaks, and when it waits.
+_ONCE = (
+    "(Reported once, for parameters that have had no gradient on any checked step so far. If these are used on "
+    "some steps only, e.g. an auxiliary head of some batches, ignore this; members of a ModuleList/ModuleDict "
+    f"(experts, LayerDrop layers, task heads) get {MEMBER_GRACE} checked steps, or {PER_MEMBER} per member, and so "
+    "does every parameter under DistributedDataParallel(find_unused_parameters=True).)"
+)
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
@@ -120,64 +240,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     stats.extra["none_grad_report"] = (fresh, waiting)
     if not fresh:
         return []
-    waited = history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {})
-    since = min((waited[n] for n in fresh if n in waited), default=None)
+    f = none_grad_facts(stats, history, fresh)
     modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in fresh})
-    cleared = bool(stats.extra.get("cleared_between_backwards"))
-    cause = (
-        "Likely cause here: zero_grad() ran between this step's backward passes and wiped what the earlier "
-        "loss's backward gave them (two losses with retain_graph=True, zero_grad() in between). Call "
-        "zero_grad() once per step, before the first backward(); or, if that clearing is meant (SAM, "
-        "adversarial examples), use them in the last loss too.\n"
-        if cleared
-        else ""
-    )
-    when = (
-        f"at any checked step since step {since}"
-        + ("" if stats.extra.get("unused_expected") else " (while other members of their ModuleList/ModuleDict did)")
-        if since is not None
-        else f"at step {stats.step}"
-    )
-    # Without an optimizer (gw.check() before a hand-written update) there is no "optimizer 0".
-    with_optimizer = stats.extra.get("optimizer") is not None
-    whose = f"in optimizer {stats.optimizer_index}" if with_optimizer else "of the model"
-    updater = "the optimizer never updates them" if with_optimizer else "the update (by hand) never changes them"
-    left_out = "the optimizer" if with_optimizer else "the update"
-    idle_parts = _idle_in_every_member(fresh, stats)
-    if idle_parts and not cleared:
-        cause = f"Likely cause here: {idle_parts}\n"
-    # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
-    replay = stats.extra.get("reentrant_cut")
-    cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
-    cut = {m: names for m, names in cut.items() if names}
-    if cut:
-        from gradwatch.diagnose.escalation import reentrant_cause
-
-        cause = "Likely cause here: " + reentrant_cause(cut) + "\n"
     return [
         Finding(
             kind="none_grad",
             step=stats.step,
             severity="warning",
-            message=(
-                f"{len(fresh)} trainable parameter(s) {whose} got no "
-                f"gradient {when}: {names_text(fresh)}.\n"
-                f"Why it matters: {updater} (their .grad is None), and under "
-                "DistributedDataParallel they make backward fail or require find_unused_parameters=True.\n"
-                + cause
-                + "(Reported once, for parameters that have had no gradient on any checked step so far. If "
-                "these are used on some steps only, e.g. an auxiliary head of some batches, ignore this; "
-                f"members of a ModuleList/ModuleDict (experts, LayerDrop layers, task heads) get {MEMBER_GRACE} "
-                f"checked steps, or {PER_MEMBER} per member, and so does every parameter under "
-                "DistributedDataParallel(find_unused_parameters=True).)"
-                + (
-                    ""  # the reentrant checkpoint's cause carries its fix
-                    if cut
-                    else "\nFix: use them in forward on the path to the loss (check for a branch that is never "
-                    "taken or an output that is detached or dropped), or freeze them with requires_grad_(False), "
-                    f"or leave them out of {left_out}."
-                )
-            ),
+            explanation=none_grad_explanation(f),
             params=fresh,
             module=modules[0] if len(modules) == 1 else None,
             data={
@@ -185,8 +255,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "count": len(fresh),
                 "none_grad_now": len(stats.none_grad),
                 "optimizer": stats.optimizer_index,
-                "cleared_between_backwards": cleared,
-                "reentrant_checkpoint": cut,
+                "cleared_between_backwards": f.cleared,
+                "reentrant_checkpoint": f.cut,
             },
         )
     ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from gradwatch.checks.exploding import after_explosion
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -16,6 +18,23 @@ _ACTION = {
     "warn": "on_nonfinite='warn': the update was applied, so the weights are now poisoned.",
     "raise": "on_nonfinite='raise': training stops before the update.",
 }
+
+
+def action_key(stats: StepStats, config: Config) -> str:
+    """What gradwatch does about a non-finite step: ``skip`` (``skip_optimizer`` when only this optimizer's
+    update is skipped), ``warn`` or ``raise``."""
+    if config.on_nonfinite == "skip" and stats.extra.get("several_optimizers"):
+        return "skip_optimizer"
+    return config.on_nonfinite
+
+
+def action_words(key: str, optimizer: int) -> str:
+    if key == "skip_optimizer":
+        return (
+            f"gradwatch skipped optimizer {optimizer}'s update: its parameters and state are "
+            "unchanged (each optimizer's step is checked on its own)."
+        )
+    return _ACTION[key]
 
 
 #: The cause of a non-finite loss with finite gradients, until an op is named (see ``defer_to_origin``).
@@ -38,19 +57,17 @@ _LOSS_ONLY_INF = (
 def defer_to_origin(finding: Finding, op: str, module: str | None, fix: str) -> Finding | None:
     """``finding`` (a ``nonfinite_loss`` with finite gradients) restated once the step's ``nan_origin`` named
     the op: its list of usual causes would contradict it. None for any other finding (left as it is)."""
-    first = finding.message.partition("\n")[0]
-    causes = next((c for c in (_LOSS_ONLY, _LOSS_ONLY_INF) if c in first), None)
-    if finding.kind != "nonfinite_loss" or not finding.data.get("grads_finite") or causes is None:
+    if finding.kind != "nonfinite_loss" or finding.data.get("cause") not in ("loss_only", "loss_only_inf"):
         return None
-    head, action = first.split(causes, 1)
     where = f"op {op}" + (f" in module {module}" if module else "")
-    message = (
-        f"{head}NaN/Inf was born at {where} (the nan_origin finding of this step), and its gradient was "
-        "stopped on the way back to the weights (a ReLU at 0, a mask or a detached branch zeroes it), so it "
-        f"shows in the loss value only.{action}\nFix: {fix}"
+    action = action_words(finding.data["action"], finding.data["optimizer"])
+    what = (
+        f"{_finite_grads_head(finding.data['loss'], finding.step)}NaN/Inf was born at {where} (the nan_origin "
+        "finding of this step), and its gradient was stopped on the way back to the weights (a ReLU at 0, a mask "
+        f"or a detached branch zeroes it), so it shows in the loss value only. {action}"
     )
-    data = {**finding.data, "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
-    return dataclasses.replace(finding, message=message, data=data)
+    data = {**finding.data, "cause": "origin", "restates": "nonfinite_loss", "origin_op": op, "origin_module": module}
+    return dataclasses.replace(finding, explanation=Explanation(what=what, fix=fix), data=data)
 
 
 def holding_module(stats: StepStats) -> str | None:
@@ -69,143 +86,201 @@ def holding_module(stats: StepStats) -> str | None:
     return ".".join(common) or None
 
 
-def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    out: list[Finding] = []
-    action = _ACTION[config.on_nonfinite]
-    if config.on_nonfinite == "skip" and stats.extra.get("several_optimizers"):
-        action = (
-            f"gradwatch skipped optimizer {stats.optimizer_index}'s update: its parameters and state are "
-            "unchanged (each optimizer's step is checked on its own)."
-        )
+@dataclass(frozen=True)
+class LossFacts:
+    """A step whose loss is NaN/Inf: what the gradients and the loss's dtype say about where it came from."""
+
+    step: int
+    loss: float | None
+    grads_finite: bool
+    #: Computed in float16 and Inf (not NaN): an overflow of float16's range.
+    float16_overflow: bool
+    #: The sentence naming an exploding update applied before as the likely cause ("" if none).
+    after: str
+    action: str
+
+
+def loss_facts(stats: StepStats, after: str, action: str) -> LossFacts:
+    half = stats.extra.get("loss_dtype") == "float16"
+    return LossFacts(
+        step=stats.step,
+        loss=stats.loss,
+        grads_finite=bool(stats.names) and not stats.nonfinite and not stats.overflow_norm,
+        float16_overflow=half and not (stats.loss is not None and math.isnan(stats.loss)),
+        after=after,
+        action=action,
+    )
+
+
+def loss_cause(f: LossFacts) -> str:
+    """Which words explain a non-finite loss: ``float16`` (it overflowed float16's range), ``loss_only_inf`` /
+    ``loss_only`` (an Inf / a NaN in a part of the loss whose gradient does not carry it) or ``nonfinite``."""
+    if f.float16_overflow:
+        return "float16"
+    if f.grads_finite:
+        return "loss_only_inf" if f.loss is not None and math.isinf(f.loss) else "loss_only"
+    return "nonfinite"
+
+
+def _finite_grads_head(loss: float | None, step: int) -> str:
+    return f"The loss is {_fmt(loss)} at step {step}, but every gradient is finite: the "
+
+
+def _float16_words(f: LossFacts, action: str) -> Explanation:
+    # Computed in float16, whose largest value is 65504: a squared error above 256 (mse_loss on targets
+    # in natural units), a sum over a large batch or an exp above 11 overflows to Inf.
+    return Explanation(
+        what=f"The loss is {_fmt(f.loss)} at step {f.step} and was computed in float16 "
+        "(model.half(), precision=\"16-true\"), whose largest value is 65504: it overflowed "
+        "float16 (a squared error above 256, a sum over many elements, exp above 11)"
+        + (", although every gradient is finite" if f.grads_finite else "")
+        + f". {action}",
+        fix="compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
+        "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
+        "normalizing the targets (and inputs) keeps the values in range too.",
+    )
+
+
+def _loss_only_inf_words(f: LossFacts, action: str) -> Explanation:
+    return Explanation(
+        what=f"{_finite_grads_head(f.loss, f.step)}{_LOSS_ONLY_INF} {action}",
+        fix="with label_smoothing, leave the masked classes out of the logits "
+        "(cross_entropy(logits[:, allowed], target)) or mask with a large finite value such as -1e4 "
+        "instead of -inf (the loss then holds a constant, its gradient is the same); add an epsilon to the log or "
+        "division of the term whose gradient is masked; check the terms added to the loss for Inf.",
+    )
+
+
+def _loss_only_words(f: LossFacts, action: str) -> Explanation:
+    return Explanation(
+        what=f"{_finite_grads_head(f.loss, f.step)}{_LOSS_ONLY} {action}",
+        fix="average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
+        "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
+        "log-probabilities; check the terms added to the loss for NaN/Inf.",
+    )
+
+
+def _nonfinite_words(f: LossFacts, action: str) -> Explanation:
+    return Explanation(
+        what=f"The loss is {_fmt(f.loss)} at step {f.step}. A non-finite loss makes the "
+        "gradients of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state "
+        f"(momentum, Adam's moments). {action}" + (f"\n{f.after}" if f.after else ""),
+        fix="look for log/sqrt/division of zero or negative values in the loss, "
+        "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
+        "learning rate, or check the batch for NaN/Inf.",
+    )
+
+
+#: The words of a non-finite loss, by cause (see ``loss_cause``).
+_LOSS_WORDS: dict[str, Callable[[LossFacts, str], Explanation]] = {
+    "float16": _float16_words,
+    "loss_only_inf": _loss_only_inf_words,
+    "loss_only": _loss_only_words,
+    "nonfinite": _nonfinite_words,
+}
+
+
+def _stale_loss(stats: StepStats) -> Finding | None:
+    """A NaN/Inf loss of a batch before this step that no update used (the training code skipped it)."""
     values = list(stats.extra.get("stale_losses") or ())
     stale = [v for v in values if not math.isfinite(v)]
     # When the step itself is non-finite, the errors below cover it (SAM's first pass, whose gradients
     # were cleared before the second, is part of the same step).
-    if stale and not stats.nonfinite:
-        # The last ``stale_unused`` values are losses no backward pass ran through (a NaN guard's continue).
-        first_bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
-        unused = first_bad >= len(values) - int(stats.extra.get("stale_unused") or 0)
-        where = (
-            f"on a batch before step {stats.step} that the training code did not backpropagate (a batch it "
-            "skipped)"
-            if unused
-            else f"on a backward pass before step {stats.step} whose gradients were cleared without an "
-            "optimizer step (a batch the training code skipped)"
-        )
-        out.append(
-            Finding(
-                kind="nonfinite_loss",
-                step=stats.step,
-                severity="warning",
-                message=(
-                    f"The loss was {stale[0]} {where}, so no update used "
-                    f"it; step {stats.step}'s own loss and gradients are checked as usual.\nWhy it matters: "
-                    "the NaN/Inf came from the data or the forward pass and will come back with similar "
-                    "batches.\nFix: check that batch for NaN/Inf, and look for log/sqrt/division of zero or "
-                    "negative values in the loss (add an epsilon, clamp logits)."
-                ),
-                data={"loss": stale[0], "count": len(stale), "optimizer": stats.optimizer_index,
-                      "no_update": True},
-            )
-        )
-    cause = after_explosion(stats, history) if stats.loss_nonfinite or stats.nonfinite else ""
-    if stats.loss_nonfinite:
-        grads_finite = bool(stats.names) and not stats.nonfinite and not stats.overflow_norm
-        half = stats.extra.get("loss_dtype") == "float16"
-        if half and not (stats.loss is not None and math.isnan(stats.loss)):
-            # Computed in float16, whose largest value is 65504: a squared error above 256 (mse_loss on targets
-            # in natural units), a sum over a large batch or an exp above 11 overflows to Inf.
-            message = (
-                f"The loss is {_fmt(stats.loss)} at step {stats.step} and was computed in float16 "
-                "(model.half(), precision=\"16-true\"), whose largest value is 65504: it overflowed "
-                "float16 (a squared error above 256, a sum over many elements, exp above 11)"
-                + (", although every gradient is finite" if grads_finite else "")
-                + f". {action}\nFix: compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
-                "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
-                "normalizing the targets (and inputs) keeps the values in range too."
-            )
-        elif grads_finite and stats.loss is not None and math.isinf(stats.loss):
-            message = (
-                f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
-                f"{_LOSS_ONLY_INF} {action}\nFix: with label_smoothing, leave the masked classes out of the logits "
-                "(cross_entropy(logits[:, allowed], target)) or mask with a large finite value such as -1e4 "
-                "instead of -inf (the loss then holds a constant, its gradient is the same); add an epsilon to the log or division of the term whose "
-                "gradient is masked; check the terms added to the loss for Inf."
-            )
-        elif grads_finite:
-            message = (
-                f"The loss is {_fmt(stats.loss)} at step {stats.step}, but every gradient is finite: the "
-                f"{_LOSS_ONLY} {action}\nFix: average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
-                "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
-                "log-probabilities; check the terms added to the loss for NaN/Inf."
-            )
-        else:
-            message = (
-                f"The loss is {_fmt(stats.loss)} at step {stats.step}. A non-finite loss makes the "
-                f"gradients of this step NaN/Inf and, once applied, poisons the weights and the optimizer's state (momentum, Adam's moments). "
-                f"{action}\n{cause + chr(10) if cause else ''}Fix: look for log/sqrt/division of zero or negative values in the loss, "
-                "add an epsilon (e.g. torch.log(x + 1e-8), x / (n + 1e-8)), clamp logits, lower the "
-                "learning rate, or check the batch for NaN/Inf."
-            )
-        out.append(
-            Finding(
-                kind="nonfinite_loss",
-                step=stats.step,
-                severity="error",
-                message=message,
-                module=holding_module(stats),
-                data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": grads_finite,
-                      "after_exploding": bool(cause),
-                      "float16_overflow": half and not (stats.loss is not None and math.isnan(stats.loss))},
-            )
-        )
-    if stats.nonfinite:
-        rows = [
-            {
-                "param": n,
-                "nan": stats.nan_counts.get(n, 0),
-                "inf": stats.inf_counts.get(n, 0),
-            }
-            for n in stats.nonfinite
-        ]
-        modules = sorted({m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite and m is not None})
-        nan_total = sum(stats.nan_counts.values())
-        inf_total = sum(stats.inf_counts.values())
-        counted = bool(stats.nan_counts or stats.inf_counts)
-        shards = " in this rank's shards" if stats.extra.get("sharded") else ""  # FSDP: local counts
-        counts = (
-            f"{nan_total} NaN, {inf_total} Inf{shards}"
-            if counted
-            else "element counts are not read in deferred mode; a finite gradient whose norm overflows float32 "
+    if not stale or stats.nonfinite:
+        return None
+    # The last ``stale_unused`` values are losses no backward pass ran through (a NaN guard's continue).
+    first_bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
+    unused = first_bad >= len(values) - int(stats.extra.get("stale_unused") or 0)
+    return Finding(
+        kind="nonfinite_loss",
+        step=stats.step,
+        severity="warning",
+        explanation=Explanation(
+            what=f"The loss was {stale[0]} {_STALE_WHERE['unused' if unused else 'cleared'](stats.step)}, so no "
+            f"update used it; step {stats.step}'s own loss and gradients are checked as usual.",
+            why="the NaN/Inf came from the data or the forward pass and will come back with similar batches.",
+            fix="check that batch for NaN/Inf, and look for log/sqrt/division of zero or "
+            "negative values in the loss (add an epsilon, clamp logits).",
+        ),
+        data={"loss": stale[0], "count": len(stale), "optimizer": stats.optimizer_index, "no_update": True},
+    )
+
+
+#: Where a skipped batch's NaN/Inf loss was seen: no backward ran through it, or its gradients were cleared.
+_STALE_WHERE: dict[str, Callable[[int], str]] = {
+    "unused": lambda step: f"on a batch before step {step} that the training code did not backpropagate (a batch "
+    "it skipped)",
+    "cleared": lambda step: f"on a backward pass before step {step} whose gradients were cleared without an "
+    "optimizer step (a batch the training code skipped)",
+}
+
+
+def _loss_finding(stats: StepStats, f: LossFacts) -> Finding:
+    cause = loss_cause(f)
+    return Finding(
+        kind="nonfinite_loss",
+        step=stats.step,
+        severity="error",
+        explanation=_LOSS_WORDS[cause](f, action_words(f.action, stats.optimizer_index)),
+        module=holding_module(stats),
+        data={"loss": stats.loss, "optimizer": stats.optimizer_index, "grads_finite": f.grads_finite,
+              "after_exploding": bool(f.after), "float16_overflow": f.float16_overflow, "cause": cause,
+              "action": f.action},
+    )
+
+
+def _grad_finding(stats: StepStats, after: str, action: str) -> Finding:
+    rows = [
+        {"param": n, "nan": stats.nan_counts.get(n, 0), "inf": stats.inf_counts.get(n, 0)} for n in stats.nonfinite
+    ]
+    modules = sorted({m for n, m in zip(stats.names, stats.modules) if n in stats.nonfinite and m is not None})
+    return Finding(
+        kind="nonfinite_grad",
+        step=stats.step,
+        severity="error",
+        explanation=Explanation(
+            what=f"{len(stats.nonfinite)} of {len(stats.names)} gradients hold non-finite values at step "
+            f"{stats.step} ({_counts(stats)}): {names_text(stats.nonfinite)}. {action}",
+            why="one NaN gradient poisons the weights and the optimizer's moments for good, and clip_grad_norm_ "
+            "spreads it to every parameter." + (f"\n{after}" if after else ""),
+            fix="find the op that produced it (gradwatch names it when escalation is on); common "
+            "causes are log/sqrt/pow at 0 or below, division by a zero norm, exp overflow, or too "
+            "high a learning rate.",
+        ),
+        params=stats.nonfinite,
+        module=holding_module(stats),
+        data={
+            "nan_counts": dict(stats.nan_counts),
+            "inf_counts": dict(stats.inf_counts),
+            "modules": modules,
+            "optimizer": stats.optimizer_index,
+            "after_exploding": bool(after),
+            "table": rows,
+        },
+    )
+
+
+def _counts(stats: StepStats) -> str:
+    if not (stats.nan_counts or stats.inf_counts):
+        return (
+            "element counts are not read in deferred mode; a finite gradient whose norm overflows float32 "
             "reads as Inf here too"
         )
-        out.append(
-            Finding(
-                kind="nonfinite_grad",
-                step=stats.step,
-                severity="error",
-                message=(
-                    f"{len(stats.nonfinite)} of {len(stats.names)} gradients hold non-finite values at step "
-                    f"{stats.step} ({counts}): {names_text(stats.nonfinite)}. "
-                    f"{action}\nWhy it matters: one NaN gradient poisons the weights and the optimizer's "
-                    "moments for good, and clip_grad_norm_ spreads it to every parameter.\n"
-                    + (cause + "\n" if cause else "")
-                    + "Fix: find the op that produced it (gradwatch names it when escalation is on); common "
-                    "causes are log/sqrt/pow at 0 or below, division by a zero norm, exp overflow, or too "
-                    "high a learning rate."
-                ),
-                params=stats.nonfinite,
-                module=holding_module(stats),
-                data={
-                    "nan_counts": dict(stats.nan_counts),
-                    "inf_counts": dict(stats.inf_counts),
-                    "modules": modules,
-                    "optimizer": stats.optimizer_index,
-                    "after_exploding": bool(cause),
-                    "table": rows,
-                },
-            )
-        )
+    shards = " in this rank's shards" if stats.extra.get("sharded") else ""  # FSDP: local counts
+    return f"{sum(stats.nan_counts.values())} NaN, {sum(stats.inf_counts.values())} Inf{shards}"
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    out: list[Finding] = []
+    stale = _stale_loss(stats)
+    if stale is not None:
+        out.append(stale)
+    after = after_explosion(stats, history) if stats.loss_nonfinite or stats.nonfinite else ""
+    action = action_key(stats, config)
+    if stats.loss_nonfinite:
+        out.append(_loss_finding(stats, loss_facts(stats, after, action)))
+    if stats.nonfinite:
+        out.append(_grad_finding(stats, after, action_words(action, stats.optimizer_index)))
     return out
 
 
@@ -252,14 +327,14 @@ def reevaluation(
         kind="nonfinite_loss" if loss_bad else "nonfinite_grad",
         step=step,
         severity="error",
-        message=(
-            f"In step {step}, {optimizer_name} evaluated the closure again (evaluation {evaluation}; the first "
-            f"was finite and checked) and {' and '.join(what)}. {action}\n"
-            f"Why it matters: {optimizer_name} would turn these gradients into a NaN search direction and write "
-            "NaN into every weight and into its curvature history.\n"
-            "Fix: the iterations of one step reach weights where the loss is not finite: use "
+        explanation=Explanation(
+            what=f"In step {step}, {optimizer_name} evaluated the closure again (evaluation {evaluation}; the "
+            f"first was finite and checked) and {' and '.join(what)}. {action}",
+            why=f"{optimizer_name} would turn these gradients into a NaN search direction and write "
+            "NaN into every weight and into its curvature history.",
+            fix="the iterations of one step reach weights where the loss is not finite: use "
             "line_search_fn='strong_wolfe', lower lr or max_iter, or guard the loss (log/sqrt/division of "
-            "zero or negative values, exp overflow)."
+            "zero or negative values, exp overflow).",
         ),
         params=tuple(bad_params),
         data={
@@ -290,14 +365,14 @@ def raised_before_check(
         kind="nonfinite_grad" if bad_params else "nonfinite_loss",
         step=step,
         severity="error",
-        message=(
-            f"At step {step} {' and '.join(what)} when the training code stopped with "
-            f"{type(exc).__name__}: {first} (before the optimizer step, so nothing was applied).\n"
-            "Why it matters: the NaN/Inf was born in this step's forward or backward; raising stops the run "
-            "where skipping the step would have kept it going.\n"
-            "Fix: find where it was born: without error_if_nonfinite (or your own NaN check) gradwatch skips "
+        explanation=Explanation(
+            what=f"At step {step} {' and '.join(what)} when the training code stopped with "
+            f"{type(exc).__name__}: {first} (before the optimizer step, so nothing was applied).",
+            why="the NaN/Inf was born in this step's forward or backward; raising stops the run "
+            "where skipping the step would have kept it going.",
+            fix="find where it was born: without error_if_nonfinite (or your own NaN check) gradwatch skips "
             "such a step and names the op and module; common causes are log/sqrt/division of zero, exp "
-            "overflow, or NaN in the batch."
+            "overflow, or NaN in the batch.",
         ),
         params=tuple(bad_params),
         data={"loss": loss, "nan_counts": dict(nan), "inf_counts": dict(inf), "raised": type(exc).__name__},

@@ -7,7 +7,7 @@ once per optimizer; every such step is skipped under ``on_nonfinite="skip"`` (th
 from __future__ import annotations
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -31,16 +31,16 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="nonfinite_update",
             step=stats.step,
             severity="error",
-            message=(
-                f"optimizer {i}'s update at step {stats.step} would be NaN/Inf although the loss and every "
+            explanation=Explanation(
+                what=f"optimizer {i}'s update at step {stats.step} would be NaN/Inf although the loss and every "
                 f"gradient are finite: its parameters are float16 and eps={eps_text} rounds to 0 in float16, so "
                 "wherever the second moment (Adam's exp_avg_sq, RMSprop's square_avg) is 0 (a zero gradient "
-                "element, or one whose square underflows float16) the step divides by 0. " + action + "\n"
-                "Why it matters: one such update turns weights into NaN/Inf for good; every later step is then "
-                "non-finite.\n"
-                "Fix: keep float32 parameters and use mixed precision (torch.autocast, or Lightning's "
+                "element, or one whose square underflows float16) the step divides by 0. " + action,
+                why="one such update turns weights into NaN/Inf for good; every later step is then "
+                "non-finite.",
+                fix="keep float32 parameters and use mixed precision (torch.autocast, or Lightning's "
                 "precision='16-mixed'/'bf16-mixed') instead of model.half() / precision='16-true'; or use "
-                "bfloat16; or give the optimizer an eps that float16 holds (eps=1e-4)."
+                "bfloat16; or give the optimizer an eps that float16 holds (eps=1e-4).",
             ),
             data={"optimizer": i, "eps": eps},
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.observe.magnitude import converged, newly_sustained
@@ -42,50 +42,55 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     too_low = [k for k, v in ratios.items() if newly_sustained(past.get(k, ()), v < low, lambda x: x < low, PATIENCE)]
     if too_low and converged(history, stats.optimizer_index):
         too_low = []  # tiny updates at the minimum (or at the end of a schedule to 0) are convergence
-    out: list[Finding] = []
-    every = config.update_ratio_every
-    span = f"{PATIENCE} measurements in a row (one every {every} checked steps)"
-    if too_high:
-        out.append(
-            Finding(
-                kind="update_ratio_high",
-                step=stats.step,
-                severity="warning",
-                message=(
-                    f"Updates too large at step {stats.step} in {len(too_high)} layer(s): {names_text(too_high)}. "
-                    f"Each optimizer step changed their weights by {_span(ratios, too_high)} of their norm "
-                    f"for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
-                    "Why it matters: weights that change by a large fraction every step jump around instead "
-                    "of converging; the loss gets noisy or diverges.\n"
-                    "Fix: lower the learning rate (for these layers: a parameter group with a smaller lr), "
-                    "add warm-up, or clip gradients; check that weight decay is not huge."
-                ),
-                module=too_high[0],
-                data={"layers": too_high, "ratios": {k: ratios[k] for k in too_high}, "band": [low, high],
-                      "optimizer": stats.optimizer_index},
-            )
-        )
-    if too_low:
-        out.append(
-            Finding(
-                kind="update_ratio_low",
-                step=stats.step,
-                severity="warning",
-                message=(
-                    f"Updates too small at step {stats.step} in {len(too_low)} layer(s): {names_text(too_low)}. "
-                    f"Each optimizer step changed their weights by only {_span(ratios, too_low)} of their "
-                    f"norm for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.\n"
-                    "Why it matters: these layers effectively do not train.\n"
-                    "Fix: raise the learning rate (check the scheduler did not drive it to ~0 and that the "
-                    "parameter group's lr is what you meant); for layers with very large weights, check the "
-                    "init; if they should not train, freeze them with requires_grad_(False)."
-                ),
-                module=too_low[0],
-                data={"layers": too_low, "ratios": {k: ratios[k] for k in too_low}, "band": [low, high],
-                      "optimizer": stats.optimizer_index},
-            )
-        )
-    return out
+    span = f"{PATIENCE} measurements in a row (one every {config.update_ratio_every} checked steps)"
+    return [
+        _finding(stats, kind, layers, ratios, (low, high), span)
+        for kind, layers in (("update_ratio_high", too_high), ("update_ratio_low", too_low))
+        if layers
+    ]
+
+
+#: The words of each kind: what the updates were, why it matters, the fix.
+_WORDS = {
+    "update_ratio_high": (
+        "Updates too large at step {step} in {count} layer(s): {names}. Each optimizer step changed their weights "
+        "by {span} of their norm",
+        "weights that change by a large fraction every step jump around instead "
+        "of converging; the loss gets noisy or diverges.",
+        "lower the learning rate (for these layers: a parameter group with a smaller lr), "
+        "add warm-up, or clip gradients; check that weight decay is not huge.",
+    ),
+    "update_ratio_low": (
+        "Updates too small at step {step} in {count} layer(s): {names}. Each optimizer step changed their weights "
+        "by only {span} of their norm",
+        "these layers effectively do not train.",
+        "raise the learning rate (check the scheduler did not drive it to ~0 and that the "
+        "parameter group's lr is what you meant); for layers with very large weights, check the "
+        "init; if they should not train, freeze them with requires_grad_(False).",
+    ),
+}
+
+
+def _finding(
+    stats: StepStats, kind: str, layers: list[str], ratios: dict[str, float], band: tuple[float, float],
+    span: str,
+) -> Finding:
+    what, why, fix = _WORDS[kind]
+    low, high = band
+    head = what.format(step=stats.step, count=len(layers), names=names_text(layers), span=_span(ratios, layers))
+    return Finding(
+        kind=kind,
+        step=stats.step,
+        severity="warning",
+        explanation=Explanation(
+            what=f"{head} for {span}; the usual is around 1e-3 and the band is {low:g} to {high:g}.",
+            why=why,
+            fix=fix,
+        ),
+        module=layers[0],
+        data={"layers": layers, "ratios": {k: ratios[k] for k in layers}, "band": [low, high],
+              "optimizer": stats.optimizer_index},
+    )
 
 
 def remember(stats: StepStats, history: History) -> None:

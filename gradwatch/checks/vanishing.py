@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, layer_norms
 from gradwatch.observe.magnitude import (
@@ -111,16 +111,17 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind="vanishing_grad",
             step=stats.step,
             severity="warning",
-            message=(
-                f"Vanishing gradient at step {stats.step} in {len(new)} layer(s): {names_text(new)}. For "
+            explanation=Explanation(
+                what=f"Vanishing gradient at step {stats.step} in {len(new)} layer(s): {names_text(new)}. For "
                 f"the last {steps} checked steps their gradient, relative to their weights, stayed below "
                 f"{thr if steps == n else thr * FAR:g} of the typical layer's (now {worst:.2g}"
                 + (f" to {best:.2g}" if best != worst else "")
-                + ").\nWhy it matters: these layers barely learn while the others do; in a deep stack the "
-                "early layers stay near their random init and the network behaves like a much shallower one.\n"
-                "Fix: replace saturating activations (sigmoid/tanh) with ReLU, LeakyReLU or GELU; use an "
+                + ").",
+                why="these layers barely learn while the others do; in a deep stack the "
+                "early layers stay near their random init and the network behaves like a much shallower one.",
+                fix="replace saturating activations (sigmoid/tanh) with ReLU, LeakyReLU or GELU; use an "
                 "init matched to the activation (nn.init.kaiming_normal_ for ReLU, xavier for tanh); add "
-                "normalization (BatchNorm/LayerNorm) or residual connections; or make the network shallower."
+                "normalization (BatchNorm/LayerNorm) or residual connections; or make the network shallower.",
             ),
             module=new[0],
             data={"layers": new, "relative_to_typical": {k: rel[k] for k in new}, "table": rows,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -59,14 +59,14 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                     kind="weight_decay_too_large",
                     step=stats.step,
                     severity="warning",
-                    message=(
-                        f"Parameter group {i} of optimizer {stats.optimizer_index} ({type(optimizer).__name__}) has "
+                    explanation=Explanation(
+                        what=f"Parameter group {i} of optimizer {stats.optimizer_index} ({type(optimizer).__name__}) has "
                         f"lr={lr:g} and weight_decay={wd:g}: lr * weight_decay = {lr * wd:.3g}, so each step "
-                        f"multiplies its weights by about {factor:.3g}.\n"
-                        "Why it matters: with a factor at or below 0 the weights flip sign and grow every step; "
-                        "the loss explodes within a few steps and no clipping stops it.\n"
-                        f"Fix: weight_decay is usually 1e-4 to 0.1 (is {wd:g} a typo, such as 5e2 for 5e-4?); "
-                        "keep lr * weight_decay far below 1."
+                        f"multiplies its weights by about {factor:.3g}.",
+                        why="with a factor at or below 0 the weights flip sign and grow every step; "
+                        "the loss explodes within a few steps and no clipping stops it.",
+                        fix=f"weight_decay is usually 1e-4 to 0.1 (is {wd:g} a typo, such as 5e2 for 5e-4?); "
+                        "keep lr * weight_decay far below 1.",
                     ),
                     data={"optimizer": stats.optimizer_index, "group": i, "lr": lr, "weight_decay": wd},
                 )
