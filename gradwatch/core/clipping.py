@@ -6,7 +6,55 @@ whether something clips after the measurement and how to clip when it does not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+
+def _by_norm(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    if not this_step:
+        return f"Lightning's gradient clipping (gradient_clip_val={clip:g}) bounds the norm of every update"
+    if ratio is not None and ratio < 1.0:
+        return (
+            f"Lightning's gradient clipping (gradient_clip_val={clip:g}) scaled this step's gradient down "
+            f"{1 / ratio:.3g}x, to norm {clip:g}, before the update (gradwatch measures before clipping)"
+        )
+    return None
+
+
+def _by_value(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    return (
+        f"Lightning's gradient clipping clamps every gradient element to +-{clip:g} "
+        "(gradient_clip_algorithm='value') before the update (gradwatch measures before clipping)"
+    )
+
+
+def _by_the_loop(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    # a plain loop that changed the gradients between backward() and step() (see gradwatch.observe.preclip)
+    if not this_step:
+        return "the training loop clips the gradients between backward() and optimizer.step()"
+    if ratio is not None and ratio < 1.0:
+        return (
+            f"the training loop scaled this step's gradient down {1 / ratio:.3g}x between backward() and "
+            "optimizer.step() (clipping; gradwatch measures before clipping)"
+        )
+    return None
+
+
+def _by_the_module(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    return (
+        "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "
+        "(gradwatch measures before clipping; it may not clip every step)"
+    )
+
+
+#: How the run clips (``stats.extra["clipping"]["how"]``) -> the clause that says so: ``(clip_val, the step's
+#: clip ratio or None, whether the finding is about this step's gradient) -> clause or None``.
+_IN_PLACE: dict[str, Callable[[Any, float | None, bool], str | None]] = {
+    "norm": _by_norm,
+    "value": _by_value,
+    "loop": _by_the_loop,
+    "module": _by_the_module,
+}
 
 
 def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
@@ -16,39 +64,11 @@ def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
     factor when known (``this_step``: the finding is about this step's gradient). None when nothing is known
     to clip, or when Lightning's norm clipping did not bite (the norm was below ``gradient_clip_val``)."""
     facts = stats.extra.get("clipping")
-    how = facts.get("how") if isinstance(facts, dict) else None
-    clip = facts.get("clip_val") if isinstance(facts, dict) else None
-    if how == "norm":
-        ratio = stats.extra.get("clip_ratio")
-        if not this_step:
-            return f"Lightning's gradient clipping (gradient_clip_val={clip:g}) bounds the norm of every update"
-        if isinstance(ratio, float) and ratio < 1.0:
-            return (
-                f"Lightning's gradient clipping (gradient_clip_val={clip:g}) scaled this step's gradient down "
-                f"{1 / ratio:.3g}x, to norm {clip:g}, before the update (gradwatch measures before clipping)"
-            )
+    words = _IN_PLACE.get(facts.get("how")) if isinstance(facts, dict) else None
+    if words is None:
         return None
-    if how == "value":
-        return (
-            f"Lightning's gradient clipping clamps every gradient element to +-{clip:g} "
-            "(gradient_clip_algorithm='value') before the update (gradwatch measures before clipping)"
-        )
-    if how == "loop":  # a plain loop that changed the gradients between backward() and step() (preclip)
-        ratio = stats.extra.get("clip_ratio")
-        if not this_step:
-            return "the training loop clips the gradients between backward() and optimizer.step()"
-        if isinstance(ratio, float) and ratio < 1.0:
-            return (
-                f"the training loop scaled this step's gradient down {1 / ratio:.3g}x between backward() and "
-                "optimizer.step() (clipping; gradwatch measures before clipping)"
-            )
-        return None
-    if how == "module":
-        return (
-            "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "
-            "(gradwatch measures before clipping; it may not clip every step)"
-        )
-    return None
+    ratio = stats.extra.get("clip_ratio")
+    return words(facts.get("clip_val"), ratio if isinstance(ratio, float) else None, this_step)
 
 
 def clip_advice(stats: Any) -> str:

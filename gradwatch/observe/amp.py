@@ -229,22 +229,7 @@ class AmpMonitor:
             if last is not None:
                 self._checked_before[index] = last
         if hidden:
-            first = stats.step
-            if len(self._engine.optimizers) == 1:
-                # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
-                self._engine.step_counts[stats.optimizer_index] += hidden
-                stats.step += hidden
-            stats.extra["scaler_dropped"] = (first, hidden)  # the steps the scaler dropped since the last check
-            dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
-            self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale,
-                              loss_nonfinite=dropped_loss is not None)
-            usual = self._checked_before.get(index, last)
-            owner = usual if hidden == 1 and usual is not None and usual != last else index
-            if dropped_loss is not None:
-                self._report_dropped_loss(stats, *dropped_loss, optimizer=owner)
-            elif self._dropped_batch_nonfinite():
-                # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
-                self._report_dropped_loss(stats, first, math.nan, batch_only=True, optimizer=owner)
+            self._account_dropped(ctx, values, hidden, scale / backoff**hidden, scale, last)
         if overflow_here:
             loss_nonfinite, loss = stats.loss_nonfinite, stats.loss
             _blank(stats)
@@ -261,6 +246,26 @@ class AmpMonitor:
         scalars = stats.extra.setdefault("scalars", {})
         scalars["gradwatch/amp/scale"] = scale
         scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
+
+    def _account_dropped(self, ctx: Any, values: Any, hidden: int, before: float, after: float, last: int | None) -> None:
+        """The scaler dropped ``hidden`` steps since the last check (plain loop): count them as steps, add them
+        to the streak, and report a non-finite loss (or batch) of theirs at its own step."""
+        stats: StepStats = ctx.stats
+        index, first = stats.optimizer_index, stats.step
+        if len(self._engine.optimizers) == 1:
+            # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
+            self._engine.step_counts[index] += hidden
+            stats.step += hidden
+        stats.extra["scaler_dropped"] = (first, hidden)  # the steps the scaler dropped since the last check
+        dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
+        self._grow_streak(first, hidden, before=before, after=after, loss_nonfinite=dropped_loss is not None)
+        usual = self._checked_before.get(index, last)
+        owner = usual if hidden == 1 and usual is not None and usual != last else index
+        if dropped_loss is not None:
+            self._report_dropped_loss(stats, *dropped_loss, optimizer=owner)
+        elif self._dropped_batch_nonfinite():
+            # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
+            self._report_dropped_loss(stats, first, math.nan, batch_only=True, optimizer=owner)
 
     def _loss_of_dropped_steps(self, ctx: Any, values: Any, first: int, hidden: int) -> tuple[int, float] | None:
         """``(step, loss)`` when a non-finite loss observed since the last check belongs to the steps the
