@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from gradwatch.core.measured import PARAM_NORMS
+
 #: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
 MAD_TO_STD = 1.4826
 
@@ -74,7 +76,7 @@ def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
 
 def param_norms_of(stats: Any, history: Any) -> dict[str, float]:
     """Per-layer parameter norms: this step's measurement, else the latest remembered one."""
-    now = stats.extra.get("param_norms")
+    now = stats.extra.get(PARAM_NORMS)
     if isinstance(now, dict):
         return now
     return history.memory.get("param_norms", {}).get(stats.optimizer_index, {})
@@ -98,7 +100,7 @@ def remember_param_norms(stats: Any, history: Any, now: Any = None) -> None:
     """Keep the latest per-layer parameter norms (parameters change slowly between measurements): this
     step's measurement, or ``now``, norms a check measured on a suspicious step."""
     if now is None:
-        now = stats.extra.get("param_norms")
+        now = stats.extra.get(PARAM_NORMS)
     if isinstance(now, dict):
         history.memory.setdefault("param_norms", {})[stats.optimizer_index] = now
 

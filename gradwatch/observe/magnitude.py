@@ -114,7 +114,7 @@ class _Inflight:
     early: bool = False  # measured on one of the first EARLY_UPDATES checks only (not the regular cadence)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MeasurementPlan:
     """What one checked step measures of the weights (see :func:`plan_measurement`)."""
 

@@ -523,10 +523,13 @@ class LazyFlags:
     rewritten: bool | None = None  # the sampled gradient changed in place, not by a scaling
 
 
+_NO_FLAGS = LazyFlags()
+
+
 def _read_lazy_flags(ctx: Any) -> LazyFlags:
     slots = ctx.slots
     if _SLOT_ZERO not in slots and _SLOT_NONZERO not in slots and _SLOT_REWRITTEN not in slots:
-        return LazyFlags()
+        return _NO_FLAGS  # nothing queued: the usual step
     values = ctx.batch.resolve()
     return LazyFlags(
         old_zero=not all(values[slots[_SLOT_ZERO]]) if _SLOT_ZERO in slots else None,
