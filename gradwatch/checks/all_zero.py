@@ -18,7 +18,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.magnitude import newly_sustained
+from gradwatch.core.trend import newly_sustained
 
 #: Checked steps in a row with every gradient exactly 0.
 DEAD = 5

@@ -17,8 +17,8 @@ from gradwatch.checks.exploding import huge_lr, init_scale
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
+from gradwatch.core.measured import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.magnitude import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 
 #: A whole-model update this many times the weights' norm (or a default init's, if larger), in one step, with
 #: a learning rate outside the usual range (``exploding.huge_lr``); RATIO_ALONE times whatever the rate.

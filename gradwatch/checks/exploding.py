@@ -36,17 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gradwatch.core.clipping import clip_advice, clipping_in_place
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
+from gradwatch.core.measured import WANT_PARAM_NORMS, measure_param_norms
 from gradwatch.core.stats import StepStats, ZeroGradFacts, layer_norms
-from gradwatch.observe.magnitude import (
+from gradwatch.core.trend import (
     EARLY_NORM,
-    WANT_PARAM_NORMS,
-    clip_advice,
-    clipping_in_place,
     converged,
-    measure_param_norms,
     median,
     once_per_check,
     param_norms_of,

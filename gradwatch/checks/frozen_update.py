@@ -16,7 +16,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.magnitude import once_per_check
+from gradwatch.core.trend import once_per_check
 
 _KEY = "frozen_param_updated"
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -36,7 +36,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.magnitude import median
+from gradwatch.core.trend import median
 
 START = 5
 FAST = 3

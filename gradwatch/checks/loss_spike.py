@@ -25,17 +25,11 @@ import math
 from collections import deque
 from typing import Any
 
+from gradwatch.core.clipping import clip_advice, clipping_in_place
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
-from gradwatch.observe.magnitude import (
-    EARLY_LOSS,
-    clip_advice,
-    clipping_in_place,
-    once_per_check,
-    quantile,
-    robust_spread,
-)
+from gradwatch.core.trend import EARLY_LOSS, once_per_check, quantile, robust_spread
 
 #: Losses of history the test waits for.
 MIN_HISTORY = 20

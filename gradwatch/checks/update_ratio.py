@@ -17,7 +17,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.magnitude import converged, newly_sustained
+from gradwatch.core.trend import converged, newly_sustained
 
 #: Measurements in a row a ratio must stay outside the band.
 PATIENCE = 5

@@ -23,13 +23,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, layer_norms
-from gradwatch.observe.magnitude import (
-    once_per_check,
-    param_norms_of,
-    quantile,
-    remember_param_norms,
-    weight_summary,
-)
+from gradwatch.core.trend import once_per_check, param_norms_of, quantile, remember_param_norms, weight_summary
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
 MIN_LAYERS = 3

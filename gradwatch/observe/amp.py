@@ -44,11 +44,12 @@ import math
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.stats import StepStats, layer_norms, total_norm
 from gradwatch.observe.tracing import library_frame, traceback_entries
 from gradwatch.report import internal_warning
@@ -171,12 +172,7 @@ class AmpMonitor:
     def before_sync(self, ctx: Any) -> None:
         self._slots = {}
         if self.scaler is None and self.integration == "plain":
-            # Looked for on the first checks, then every SCAN_EVERY-th (a stack walk costs ~20 us): a scaler
-            # created mid-run is found within that many steps. Its overflow steps never reach the optimizer's
-            # hooks, so until then only the scale's accounting waits, no check.
-            self._scans += 1
-            if self._scans <= SCAN_FIRST or self._scans % SCAN_EVERY == 0:
-                self.scaler = _scaler_in_stack()
+            self._look_for_scaler()
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
             return
@@ -188,23 +184,7 @@ class AmpMonitor:
         opt = self._optimizer(ctx.stats.optimizer_index)
         if opt is None:
             return
-        grad_scale: Any = None
-        found_inf: Any = None
-        scaled_unknown = False
-        if hasattr(opt, "found_inf"):
-            # Inside scaler.step() of an optimizer that unscales in its own (fused) step: the gradients
-            # are still scaled by ``grad_scale`` (None when the user unscaled them), and the optimizer
-            # drops the update itself when ``found_inf`` is set.
-            grad_scale = getattr(opt, "grad_scale", None)
-            found_inf = opt.found_inf
-        else:
-            state = scaler._per_optimizer_states.get(id(opt))
-            stage = getattr(state.get("stage") if state else None, "name", None)
-            if stage == "UNSCALED" and state["found_inf_per_device"]:
-                found_inf = torch.stack([t.reshape(()).float() for t in state["found_inf_per_device"].values()]).sum()
-            elif self.integration == "lightning" and getattr(opt, "_step_supports_amp_scaling", False):
-                grad_scale = scaler._scale  # not unscaled yet: scaler.step() checks for inf itself
-                scaled_unknown = True
+        grad_scale, found_inf, scaled_unknown = _scaling_state(scaler, opt, self.integration)
         if isinstance(grad_scale, torch.Tensor):
             self._slots["grad_scale"] = batch.add(grad_scale)
         if isinstance(found_inf, torch.Tensor):
@@ -215,6 +195,14 @@ class AmpMonitor:
             norms = torch.cat([batch.part(slot) for slot, _ in ctx.norm_slots])
             self._slots["found_inf"] = batch.add((~torch.isfinite(norms)).any().float())
             ctx.slots["amp_scaler_skips"] = self._slots["found_inf"]
+
+    def _look_for_scaler(self) -> None:
+        """Looked for on the first checks, then every SCAN_EVERY-th (a stack walk costs ~20 us): a scaler
+        created mid-run is found within that many steps. Its overflow steps never reach the optimizer's
+        hooks, so until then only the scale's accounting waits, no check."""
+        self._scans += 1
+        if self._scans <= SCAN_FIRST or self._scans % SCAN_EVERY == 0:
+            self.scaler = _scaler_in_stack()
 
     def _optimizer(self, index: int) -> Any:
         opts = self._engine.optimizers
@@ -241,22 +229,7 @@ class AmpMonitor:
             if last is not None:
                 self._checked_before[index] = last
         if hidden:
-            first = stats.step
-            if len(self._engine.optimizers) == 1:
-                # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
-                self._engine.step_counts[stats.optimizer_index] += hidden
-                stats.step += hidden
-            stats.extra["scaler_dropped"] = (first, hidden)  # the steps the scaler dropped since the last check
-            dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
-            self._grow_streak(first, hidden, before=scale / backoff**hidden, after=scale,
-                              loss_nonfinite=dropped_loss is not None)
-            usual = self._checked_before.get(index, last)
-            owner = usual if hidden == 1 and usual is not None and usual != last else index
-            if dropped_loss is not None:
-                self._report_dropped_loss(stats, *dropped_loss, optimizer=owner)
-            elif self._dropped_batch_nonfinite():
-                # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
-                self._report_dropped_loss(stats, first, math.nan, batch_only=True, optimizer=owner)
+            self._account_dropped(ctx, values, hidden, scale / backoff**hidden, scale, last)
         if overflow_here:
             loss_nonfinite, loss = stats.loss_nonfinite, stats.loss
             _blank(stats)
@@ -273,6 +246,26 @@ class AmpMonitor:
         scalars = stats.extra.setdefault("scalars", {})
         scalars["gradwatch/amp/scale"] = scale
         scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
+
+    def _account_dropped(self, ctx: Any, values: Any, hidden: int, before: float, after: float, last: int | None) -> None:
+        """The scaler dropped ``hidden`` steps since the last check (plain loop): count them as steps, add them
+        to the streak, and report a non-finite loss (or batch) of theirs at its own step."""
+        stats: StepStats = ctx.stats
+        index, first = stats.optimizer_index, stats.step
+        if len(self._engine.optimizers) == 1:
+            # The scaler's skipped steps are optimizer steps too (as in Lightning's global_step).
+            self._engine.step_counts[index] += hidden
+            stats.step += hidden
+        stats.extra["scaler_dropped"] = (first, hidden)  # the steps the scaler dropped since the last check
+        dropped_loss = self._loss_of_dropped_steps(ctx, values, first, hidden)
+        self._grow_streak(first, hidden, before=before, after=after, loss_nonfinite=dropped_loss is not None)
+        usual = self._checked_before.get(index, last)
+        owner = usual if hidden == 1 and usual is not None and usual != last else index
+        if dropped_loss is not None:
+            self._report_dropped_loss(stats, *dropped_loss, optimizer=owner)
+        elif self._dropped_batch_nonfinite():
+            # No loss observed, but a dropped step's batch held NaN/Inf: no overflow of scaling either.
+            self._report_dropped_loss(stats, first, math.nan, batch_only=True, optimizer=owner)
 
     def _loss_of_dropped_steps(self, ctx: Any, values: Any, first: int, hidden: int) -> tuple[int, float] | None:
         """``(step, loss)`` when a non-finite loss observed since the last check belongs to the steps the
@@ -330,12 +323,12 @@ class AmpMonitor:
             kind="nonfinite_grad" if batch_only else "nonfinite_loss",
             step=step,
             severity="error",
-            message=(
-                f"{what}, so the gradient scaler dropped that update (the weights are unchanged) and lowered the "
-                "loss scale; but loss scaling never makes the unscaled loss or the data NaN/Inf, so this is not "
-                "a normal overflow: a bad batch or an op in the forward pass produced it.\nFix: look for "
-                "log/sqrt/division of zero or negative values in the loss, add an epsilon (e.g. "
-                "torch.log(x + 1e-8)), clamp logits, or check the batch for NaN/Inf."
+            explanation=Explanation(
+                what=f"{what}, so the gradient scaler dropped that update (the weights are unchanged) and lowered "
+                "the loss scale; but loss scaling never makes the unscaled loss or the data NaN/Inf, so this is not "
+                "a normal overflow: a bad batch or an op in the forward pass produced it.",
+                fix="look for log/sqrt/division of zero or negative values in the loss, add an epsilon (e.g. "
+                "torch.log(x + 1e-8)), clamp logits, or check the batch for NaN/Inf.",
             ),
             data={"loss": loss, "optimizer": optimizer, "dropped_by_scaler": True},
         )
@@ -367,14 +360,8 @@ class AmpMonitor:
             return None
         unscaled = False
         for op in engine.index.per_optimizer:
-            if op.optimizer is None or not any(n in bad_params for n in op.names):
-                continue
-            state = scaler._per_optimizer_states.get(id(op.optimizer))
-            stage = getattr(state.get("stage") if state else None, "name", "READY")
+            stage = _overflow_stage(scaler, op, bad_params)
             if stage == "UNSCALED":
-                found = state["found_inf_per_device"]
-                if not found or not sum(float(t.sum()) for t in found.values()):
-                    return None  # finite when unscaled: made non-finite after, not by the scaling
                 unscaled = True
             elif stage != "READY":
                 return None
@@ -385,46 +372,29 @@ class AmpMonitor:
         if inputs_seen and (esc.nonfinite_inputs() or esc.output_nan()):
             return None  # NaN/Inf data, or a NaN loss: scaling never makes those
         nan, inf = counts
-        scale = float(scaler._scale.float().item())
-        text = str(exc).strip()
-        first = text.splitlines()[0].split(". ")[0].rstrip(".")[:160] if text else ""
-        fabric = _on_traceback(exc, "clip_gradients", "lightning")
-        clipping = fabric or "error_if_nonfinite" in str(exc) or _on_traceback(exc, "clip_grad_norm_", "torch")
-        seen = [w for w, known in (("loss", loss_observed), ("batch", inputs_seen)) if known]
-        finite = f"; the {' and the '.join(seen)} {'were' if len(seen) > 1 else 'was'} finite" if seen else ""
-        if fabric:
-            fix = (
-                "fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False): it unscales "
-                "first, and the optimizer step skips an overflow step by itself."
-            )
-        elif clipping:
-            fix = (
-                "scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=False), "
-                "then scaler.step(optimizer): it skips the step when the gradients are non-finite."
-            )
-            if not unscaled:
-                fix += " The gradients were still scaled when clipped: unscale_ before clipping, or max_norm "
-                fix += f"applies to gradients {scale:g} times too large."
-        else:
-            fix = "do not stop on non-finite gradients under a GradScaler: scaler.step(optimizer) skips those steps."
+        facts = RaisedOnOverflow(
+            step=step,
+            raised=type(exc).__name__,
+            first_line=_first_sentence(exc),
+            scale=float(scaler._scale.float().item()),
+            bad=len(bad_params),
+            total=total_params,
+            nan=sum(nan.values()),
+            inf=sum(inf.values()),
+            names=names_text(bad_params),
+            unscaled=unscaled,
+            seen=tuple(w for w, known in (("loss", loss_observed), ("batch", inputs_seen)) if known),
+            clipper=_clipper_on_traceback(exc),
+        )
         return Finding(
             kind="amp_overflow",
             step=step,
             severity="error",
-            message=(
-                f"At step {step} the training code stopped with {type(exc).__name__} (\"{first}\") on the "
-                "gradient scaler's overflow, a normal event, not a NaN incident: "
-                f"{len(bad_params)} of {total_params} gradients of the scaled backward (loss scale {scale:g}) held "
-                f"{sum(nan.values())} NaN, {sum(inf.values())} Inf ({names_text(bad_params)}){finite}.\n"
-                "Why it matters: at the start of fp16 training the scaler overflows a few times while it finds "
-                "its scale, and scaler.step() drops such an update and lowers the scale; raising on it ends a "
-                "healthy run.\n"
-                f"Fix: {fix}"
-            ),
+            explanation=raised_on_overflow_explanation(facts),
             params=tuple(bad_params),
             data={
-                "raised": type(exc).__name__,
-                "scale": scale,
+                "raised": facts.raised,
+                "scale": facts.scale,
                 "unscaled": unscaled,
                 "loss_observed": loss_observed,
                 "inputs_checked": inputs_seen,
@@ -556,6 +526,102 @@ class AmpMonitor:
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
             engine.add_finding(f)
+
+
+def _scaling_state(scaler: Any, opt: Any, integration: str) -> tuple[Any, Any, bool]:
+    """``(grad_scale, found_inf, scaled_unknown)`` of ``opt`` at the check: the scale its gradients still
+    carry (a tensor, or None when unscaled), the scaler's overflow flag when known yet (a tensor), and whether
+    the gradients are scaled with the flag still to come (Lightning, fused optimizers)."""
+    if hasattr(opt, "found_inf"):
+        # Inside scaler.step() of an optimizer that unscales in its own (fused) step: the gradients
+        # are still scaled by ``grad_scale`` (None when the user unscaled them), and the optimizer
+        # drops the update itself when ``found_inf`` is set.
+        return getattr(opt, "grad_scale", None), opt.found_inf, False
+    state = scaler._per_optimizer_states.get(id(opt))
+    stage = getattr(state.get("stage") if state else None, "name", None)
+    if stage == "UNSCALED" and state["found_inf_per_device"]:
+        return None, torch.stack([t.reshape(()).float() for t in state["found_inf_per_device"].values()]).sum(), False
+    if integration == "lightning" and getattr(opt, "_step_supports_amp_scaling", False):
+        return scaler._scale, None, True  # not unscaled yet: scaler.step() checks for inf itself
+    return None, None, False
+
+
+def _overflow_stage(scaler: Any, op: Any, bad_params: list[str]) -> str:
+    """The scaler's stage for the optimizer of ``op`` if it holds one of ``bad_params``: ``"READY"`` (still
+    scaled, or not concerned), ``"UNSCALED"`` (unscaled, and ``unscale_`` found Inf), ``"FINITE"`` (unscaled
+    and finite: made non-finite after, not by the scaling), or the stage's own name. Exception path only."""
+    if op.optimizer is None or not any(n in bad_params for n in op.names):
+        return "READY"
+    state = scaler._per_optimizer_states.get(id(op.optimizer))
+    stage = getattr(state.get("stage") if state else None, "name", "READY")
+    if stage != "UNSCALED":
+        return str(stage)
+    found = state["found_inf_per_device"]
+    return "UNSCALED" if found and sum(float(t.sum()) for t in found.values()) else "FINITE"
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """The first sentence of an exception's text (at most 160 characters), without its final period."""
+    text = str(exc).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".")[:160] if text else ""
+
+
+def _clipper_on_traceback(exc: BaseException) -> str:
+    """Which clipping raised: ``"fabric"`` (Fabric's ``clip_gradients``), ``"torch"`` (``clip_grad_norm_``
+    with ``error_if_nonfinite``) or ``""`` (other training code)."""
+    if _on_traceback(exc, "clip_gradients", "lightning"):
+        return "fabric"
+    if "error_if_nonfinite" in str(exc) or _on_traceback(exc, "clip_grad_norm_", "torch"):
+        return "torch"
+    return ""
+
+
+@dataclass(frozen=True)
+class RaisedOnOverflow:
+    """Facts of a raise on a gradient scaler's overflow step (see :meth:`AmpMonitor.raised_on_overflow`)."""
+
+    step: int
+    raised: str  # the exception's type name
+    first_line: str  # the first sentence of its text
+    scale: float
+    bad: int  # non-finite gradients
+    total: int  # gradients of the scaled backward
+    nan: int
+    inf: int
+    names: str  # the non-finite gradients' names, as rendered
+    unscaled: bool  # ``unscale_`` ran (and found Inf) before the raise
+    seen: tuple[str, ...]  # what was checked finite: "loss", "batch"
+    clipper: str  # "fabric", "torch" or "" (see _clipper_on_traceback)
+
+
+#: How to keep running through an overflow step, by what raised on it.
+_RAISED_FIX = {
+    "fabric": "fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False): it unscales "
+    "first, and the optimizer step skips an overflow step by itself.",
+    "torch": "scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=False), "
+    "then scaler.step(optimizer): it skips the step when the gradients are non-finite.",
+    "": "do not stop on non-finite gradients under a GradScaler: scaler.step(optimizer) skips those steps.",
+}
+
+
+def raised_on_overflow_explanation(f: RaisedOnOverflow) -> Explanation:
+    """The words of a raise on an overflow step."""
+    seen = f.seen
+    finite = f"; the {' and the '.join(seen)} {'were' if len(seen) > 1 else 'was'} finite" if seen else ""
+    fix = _RAISED_FIX[f.clipper]
+    if f.clipper == "torch" and not f.unscaled:
+        fix += " The gradients were still scaled when clipped: unscale_ before clipping, or max_norm "
+        fix += f"applies to gradients {f.scale:g} times too large."
+    return Explanation(
+        what=f"At step {f.step} the training code stopped with {f.raised} (\"{f.first_line}\") on the "
+        "gradient scaler's overflow, a normal event, not a NaN incident: "
+        f"{f.bad} of {f.total} gradients of the scaled backward (loss scale {f.scale:g}) held "
+        f"{f.nan} NaN, {f.inf} Inf ({f.names}){finite}.",
+        why="at the start of fp16 training the scaler overflows a few times while it finds "
+        "its scale, and scaler.step() drops such an update and lowers the scale; raising on it ends a "
+        "healthy run.",
+        fix=fix,
+    )
 
 
 def scaler_backoff(scaler: Any) -> float:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.core.findings import Finding, names_text
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
 from gradwatch.observe.module_hooks import owned
 from gradwatch.report import internal_warning, safe_warn
@@ -330,12 +330,7 @@ class RankAgreement:
         dist = _dist()
         if dist is None or self.world < 2:
             return
-        ddp = self._ddp_module()
-        if ddp is not None:
-            ctx.stats.extra["ddp"] = True  # for the checks' wording (accumulation_remainder's fix)
-        if ddp is not None and getattr(ddp, "find_unused_parameters", False):
-            # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
-            ctx.stats.extra["unused_expected"] = True
+        self._mark_ddp(ctx.stats)
         if not self._peers_watch(dist):
             return  # a rank without a watcher: no collective (see _peers_watch)
         if self._in_join():
@@ -361,37 +356,35 @@ class RankAgreement:
         # [world: this step's verdicts][world: a non-finite loss on an earlier batch no update used (one a
         # GradScaler dropped on every rank, or the training code skipped)][sharded squares]
         w = self.world
-        # On the first FINGERPRINTS checks, when no parameter is sharded: are the ranks replicas? [f, f*f] of
-        # a fingerprint of this rank's parameters (their first elements, summed).
-        ask = self._replicas is not False and self._fingerprints < FINGERPRINTS and not self._any_sharded
-        fingerprint = self._fingerprint(ctx, device) if ask else None
-        if fingerprint is None and self._replicas is None:
-            self._replicas = True  # sharded parameters (FSDP), or no fingerprint: not asked again
+        fingerprint = self._maybe_fingerprint(ctx, device)
         extra = 2 if fingerprint is not None else 0
         vec = torch.zeros(2 * w + len(self._sharded) + extra, dtype=torch.float32, device=device)
         if fingerprint is not None:
             vec[-2:] = torch.stack([fingerprint, fingerprint * fingerprint])
-        if parts:
-            bad = (~torch.isfinite(torch.cat(parts))).any()
-            amp_slot = ctx.slots.get("amp_scaler_skips", -1)
-            if amp_slot >= 0:
-                # The AMP scaler drops this update itself (an overflow step): not a reason to skip.
-                bad = bad & (batch.part(amp_slot).to(device).sum() == 0)
-            vec[self.rank] = bad.to(torch.float32)
-        stale_slot = ctx.slots.get("stale_loss", -1)
-        if stale_slot >= 0:
-            vec[w + self.rank] = (~torch.isfinite(batch.part(stale_slot).to(device))).any().to(torch.float32)
-        amp_slot = ctx.slots.get("amp_scaler_skips", -1)
-        if amp_slot >= 0 and loss_slot >= 0:
-            # An optimizer that unscales in its own fused step runs step() on the steps a GradScaler drops:
-            # this step's own non-finite loss is then one no update uses, as a stale one is.
-            own = (~torch.isfinite(batch.part(loss_slot).to(device))).any() & (batch.part(amp_slot).to(device).sum() > 0)
-            vec[w + self.rank] = torch.maximum(vec[w + self.rank], own.to(torch.float32))
+        _flag_this_rank(vec, self.rank, w, ctx, parts, device)
         if self._sharded:
             vec[2 * w : 2 * w + len(self._sharded)] = self._local_squares(ctx, device)
         self._fingerprinted = fingerprint is not None
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
         self._slot = batch.add(vec)
+
+    def _mark_ddp(self, stats: StepStats) -> None:
+        """Tell the checks that DDP runs the model, and whether it expects unused parameters."""
+        ddp = self._ddp_module()
+        if ddp is not None:
+            stats.extra["ddp"] = True  # for the checks' wording (accumulation_remainder's fix)
+        if ddp is not None and getattr(ddp, "find_unused_parameters", False):
+            # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
+            stats.extra["unused_expected"] = True
+
+    def _maybe_fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
+        """On the first FINGERPRINTS checks, when no parameter is sharded: are the ranks replicas? A
+        fingerprint of this rank's parameters (their first elements, summed), or None when not asked."""
+        ask = self._replicas is not False and self._fingerprints < FINGERPRINTS and not self._any_sharded
+        fingerprint = self._fingerprint(ctx, device) if ask else None
+        if fingerprint is None and self._replicas is None:
+            self._replicas = True  # sharded parameters (FSDP), or no fingerprint: not asked again
+        return fingerprint
 
     def _fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
         try:
@@ -500,8 +493,7 @@ class RankAgreement:
             self._fingerprints += 1
             self._replicas = self._same_everywhere(values[-2], values[-1])
             values = values[:-2]
-        ranks = [r for r in range(self.world) if values[r] > 0]
-        dropped = [r for r in range(self.world) if values[self.world + r] > 0]
+        ranks, dropped = flagged_ranks(values, self.world)
         amp_slot = ctx.slots.get("amp_scaler_skips", -1)
         if dropped and amp_slot >= 0 and float(sum(ctx.batch.resolve()[amp_slot])) > 0:
             stats.extra["amp_dropped_here"] = True
@@ -511,22 +503,7 @@ class RankAgreement:
             # ordinary overflow here). That rank reports its own loss; this one names it.
             self._engine.add_finding(other_rank_dropped_finding(stats, dropped))
         if self._sharded and len(stats.norms) == len(ctx.params):
-            scale = float(stats.extra.get("grad_scale", 1.0) or 1.0)
-            # Parameters whose shard on this rank is empty (FSDP1) have no gradient here but one elsewhere:
-            # they count in the total and in their layer's norm all the same.
-            elsewhere: dict[str, float] = {}
-            for (_p, i, module), sq in zip(self._sharded, values[2 * self.world :]):
-                norm = math.sqrt(sq) / scale if sq >= 0 else sq
-                if i >= 0:
-                    stats.norms[i] = norm
-                elif sq != 0:
-                    key = layer_key(module)
-                    elsewhere[key] = math.hypot(elsewhere.get(key, 0.0), norm)
-            stats.total_norm = total_norm(stats.norms + list(elsewhere.values()))
-            if stats.layer_norms:
-                stats.layer_norms = layer_norms(stats.modules, stats.norms)
-                for key, norm in elsewhere.items():
-                    stats.layer_norms[key] = math.hypot(stats.layer_norms.get(key, 0.0), norm)
+            _apply_shard_norms(stats, self._sharded, values[2 * self.world :])
         if not ranks:
             return
         stats.extra["nonfinite_ranks"] = ranks
@@ -588,20 +565,8 @@ class RankAgreement:
         dist = _dist()
         if dist is None or self.world < 2 or self._solo:
             return []
-        mine = next((f for f in findings if f.kind == "nan_origin" and f.data.get("phase")), None)
-        # A NaN/Inf loss whose gradients are finite has no origin to localize, but its own finding names the usual
-        # causes (every target equal to ignore_index on that rank's batch): rank zero would only say "a non-finite
-        # loss" of the other rank.
-        loss_only = next(
-            (f for f in findings if f.kind == "nonfinite_loss" and f.data.get("grads_finite") and not f.data.get("rank_relayed")),
-            None,
-        )
-        summary = None
-        if mine is not None:
-            keys = ("phase", "op", "forward_op", "module", "source", "code")
-            summary = {"rank": self.rank, "message": mine.message, **{k: mine.data.get(k) for k in keys}}
-        elif loss_only is not None:
-            summary = {"rank": self.rank, "message": loss_only.message, "loss_only": True}
+        mine, loss_only = _own_origin(findings)
+        summary = _origin_summary(self.rank, mine, loss_only)
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, summary, group=self.group)
@@ -610,35 +575,8 @@ class RankAgreement:
             return []
         if mine is not None:
             return []
-        others = [o for o in out if isinstance(o, dict) and o.get("rank") != self.rank]
-        other = next((o for o in others if not o.get("loss_only")), None)
-        if other is None:
-            loss = next((o for o in others if o.get("loss_only")), None)
-            if loss is None or loss_only is not None:
-                return []  # this rank's own loss finding says it
-            return [
-                Finding(
-                    kind="nonfinite_loss",
-                    step=stats.step,
-                    severity="error",
-                    message=f"On rank {loss['rank']}: " + str(loss.get("message", "")),
-                    data={"grads_finite": True, "origin_rank": loss["rank"], "rank_relayed": True},
-                )
-            ]
-        data = {k: v for k, v in other.items() if k != "message"}
-        data["origin_rank"] = data.pop("rank")
-        return [
-            Finding(
-                kind="nan_origin",
-                step=stats.step,
-                severity="error",
-                message=f"On rank {data['origin_rank']} (rank {self.rank}, reporting, got it through the gradient all-reduce): "
-                + str(other.get("message", "")),
-                module=data.get("module"),
-                op=data.get("op"),
-                data=data,
-            )
-        ]
+        relayed = origin_to_relay(out, self.rank, loss_only_here=loss_only is not None)
+        return [] if relayed is None else [_relayed_finding(stats, relayed, self.rank)]
 
     def _incident(self, stats: StepStats, findings: list[Finding], ranks: list[int]) -> list[Finding]:
         reports = stats.extra.get("rank_reports") or []
@@ -662,6 +600,139 @@ class RankAgreement:
         if loss_ranks and mine.get("loss_observed") and not mine.get("loss_nonfinite"):
             return [other_rank_finding(stats, loss_ranks, reports, policy, carried=True)]
         return []
+
+
+def _flag_this_rank(vec: torch.Tensor, rank: int, world: int, ctx: Any, parts: list[torch.Tensor],
+                    device: torch.device) -> None:
+    """Write this rank's flags into the agreement vector (device ops, no sync): ``vec[rank]`` its step's
+    gradients or loss are non-finite (an AMP overflow step aside), ``vec[world + rank]`` a non-finite loss of
+    a batch no update uses."""
+    batch, slots = ctx.batch, ctx.slots
+    amp_slot = slots.get("amp_scaler_skips", -1)
+    if parts:
+        bad = (~torch.isfinite(torch.cat(parts))).any()
+        if amp_slot >= 0:
+            # The AMP scaler drops this update itself (an overflow step): not a reason to skip.
+            bad = bad & (batch.part(amp_slot).to(device).sum() == 0)
+        vec[rank] = bad.to(torch.float32)
+    stale_slot = slots.get("stale_loss", -1)
+    if stale_slot >= 0:
+        vec[world + rank] = (~torch.isfinite(batch.part(stale_slot).to(device))).any().to(torch.float32)
+    loss_slot = slots.get("loss", -1)
+    if amp_slot >= 0 and loss_slot >= 0:
+        # An optimizer that unscales in its own fused step runs step() on the steps a GradScaler drops:
+        # this step's own non-finite loss is then one no update uses, as a stale one is.
+        own = (~torch.isfinite(batch.part(loss_slot).to(device))).any() & (batch.part(amp_slot).to(device).sum() > 0)
+        vec[world + rank] = torch.maximum(vec[world + rank], own.to(torch.float32))
+
+
+def flagged_ranks(values: Any, world: int) -> tuple[list[int], list[int]]:
+    """From the summed agreement vector: the ranks whose step was non-finite, and those whose non-finite
+    loss was on a batch no update used."""
+    return [r for r in range(world) if values[r] > 0], [r for r in range(world) if values[world + r] > 0]
+
+
+def _apply_shard_norms(stats: StepStats, sharded: list[tuple[torch.Tensor, int, str | None]], squares: Any) -> None:
+    """Replace the sharded parameters' norms by their norms over every shard (summed squares of all ranks)."""
+    scale = float(stats.extra.get("grad_scale", 1.0) or 1.0)
+    # Parameters whose shard on this rank is empty (FSDP1) have no gradient here but one elsewhere:
+    # they count in the total and in their layer's norm all the same.
+    elsewhere: dict[str, float] = {}
+    for (_p, i, module), sq in zip(sharded, squares):
+        norm = math.sqrt(sq) / scale if sq >= 0 else sq
+        if i >= 0:
+            stats.norms[i] = norm
+        elif sq != 0:
+            key = layer_key(module)
+            elsewhere[key] = math.hypot(elsewhere.get(key, 0.0), norm)
+    stats.total_norm = total_norm(stats.norms + list(elsewhere.values()))
+    if stats.layer_norms:
+        stats.layer_norms = layer_norms(stats.modules, stats.norms)
+        for key, norm in elsewhere.items():
+            stats.layer_norms[key] = math.hypot(stats.layer_norms.get(key, 0.0), norm)
+
+
+#: What a rank's ``nan_origin`` summary carries to the others, besides its rank and words.
+_ORIGIN_KEYS = ("phase", "op", "forward_op", "module", "source", "code")
+
+
+def _own_origin(findings: list[Finding]) -> tuple[Finding | None, Finding | None]:
+    """This rank's ``nan_origin`` (one that named where), and its own ``nonfinite_loss`` with finite gradients.
+
+    A NaN/Inf loss whose gradients are finite has no origin to localize, but its own finding names the usual
+    causes (every target equal to ignore_index on that rank's batch): rank zero would only say "a non-finite
+    loss" of the other rank."""
+    mine = next((f for f in findings if f.kind == "nan_origin" and f.data.get("phase")), None)
+    loss_only = next(
+        (f for f in findings if f.kind == "nonfinite_loss" and f.data.get("grads_finite") and not f.data.get("rank_relayed")),
+        None,
+    )
+    return mine, loss_only
+
+
+def _origin_summary(rank: int, mine: Finding | None, loss_only: Finding | None) -> dict[str, Any] | None:
+    """What this rank tells the others about where its NaN/Inf came from (None: nothing)."""
+    if mine is not None:
+        return {"rank": rank, **_words(mine), **{k: mine.data.get(k) for k in _ORIGIN_KEYS}}
+    if loss_only is not None:
+        return {"rank": rank, **_words(loss_only), "loss_only": True}
+    return None
+
+
+def _words(f: Finding) -> dict[str, Any]:
+    """A finding's message, and its explanation's parts when it has one (to relay them as parts)."""
+    words: dict[str, Any] = {"message": f.message}
+    if f.explanation is not None:
+        words["explanation"] = f.explanation.to_dict()
+    return words
+
+
+def origin_to_relay(summaries: list[Any], rank: int, loss_only_here: bool) -> dict[str, Any] | None:
+    """Which other rank's summary this rank (which localized nothing) reports: an origin another rank named,
+    else another rank's loss-only finding when this rank has none of its own; None for neither."""
+    others = [o for o in summaries if isinstance(o, dict) and o.get("rank") != rank]
+    other = next((o for o in others if not o.get("loss_only")), None)
+    if other is not None:
+        return other
+    loss = next((o for o in others if o.get("loss_only")), None)
+    return None if loss is None or loss_only_here else loss  # this rank's own loss finding says it
+
+
+def _relayed_explanation(prefix: str, summary: dict[str, Any]) -> Explanation:
+    """The other rank's words, led by ``prefix``."""
+    parts = summary.get("explanation")
+    if isinstance(parts, dict):
+        return Explanation(
+            what=prefix + str(parts.get("what", "")),
+            why=str(parts.get("why", "")),
+            cause=str(parts.get("cause", "")),
+            fix=str(parts.get("fix", "")),
+        )
+    return Explanation(what=prefix + str(summary.get("message", "")))
+
+
+def _relayed_finding(stats: StepStats, other: dict[str, Any], rank: int) -> Finding:
+    """Another rank's origin (or loss-only) finding, reported by this rank."""
+    if other.get("loss_only"):
+        return Finding(
+            kind="nonfinite_loss",
+            step=stats.step,
+            severity="error",
+            explanation=_relayed_explanation(f"On rank {other['rank']}: ", other),
+            data={"grads_finite": True, "origin_rank": other["rank"], "rank_relayed": True},
+        )
+    data = {k: v for k, v in other.items() if k not in ("message", "explanation")}
+    data["origin_rank"] = data.pop("rank")
+    prefix = f"On rank {data['origin_rank']} (rank {rank}, reporting, got it through the gradient all-reduce): "
+    return Finding(
+        kind="nan_origin",
+        step=stats.step,
+        severity="error",
+        explanation=_relayed_explanation(prefix, other),
+        module=data.get("module"),
+        op=data.get("op"),
+        data=data,
+    )
 
 
 _ACTION = {
@@ -713,12 +784,12 @@ def other_rank_finding(
         kind="nonfinite_on_other_rank",
         step=stats.step,
         severity="error",
-        message=(
-            f"{head}{cause}"
-            f"{_ACTION.get(policy, '')}\nWhy it matters: one rank's NaN reaches every replica through the "
-            "gradient all-reduce (or leaves the replicas out of step if it does not).\n"
-            "Fix: look at the batch that rank got at this step (a bad sample or data shard); when that rank "
-            "localized the op, the nan_origin finding of this step (\"On rank ...\") names it here too."
+        explanation=Explanation(
+            what=f"{head}{cause}{_ACTION.get(policy, '')}",
+            why="one rank's NaN reaches every replica through the gradient all-reduce (or leaves the replicas "
+            "out of step if it does not).",
+            fix="look at the batch that rank got at this step (a bad sample or data shard); when that rank "
+            "localized the op, the nan_origin finding of this step (\"On rank ...\") names it here too.",
         ),
         params=tuple(params),
         data={
@@ -744,14 +815,13 @@ def other_rank_dropped_finding(stats: StepStats, ranks: list[int]) -> Finding:
         kind="nonfinite_on_other_rank",
         step=step,
         severity="warning",
-        message=(
-            f"The loss on {which} was NaN/Inf {when}, on a batch no update used: the "
+        explanation=Explanation(
+            what=f"The loss on {which} was NaN/Inf {when}, on a batch no update used: the "
             "gradient all-reduce carried its NaN/Inf to every rank, and a GradScaler dropped that step on "
-            "every rank (here it looks like an ordinary fp16 overflow), or the training code skipped it.\n"
-            f"Why it matters: the batch or the forward pass on {which} produces NaN/Inf and will again with "
-            "similar data.\n"
-            f"Fix: look at the data on {which} at that step (its own findings name the input or the op: "
-            "``gw.findings`` there); filter bad samples, or guard the loss (log/sqrt/division of zero)."
+            "every rank (here it looks like an ordinary fp16 overflow), or the training code skipped it.",
+            why=f"the batch or the forward pass on {which} produces NaN/Inf and will again with similar data.",
+            fix=f"look at the data on {which} at that step (its own findings name the input or the op: "
+            "``gw.findings`` there); filter bad samples, or guard the loss (log/sqrt/division of zero).",
         ),
         data={"ranks": list(ranks), "no_update": True, "optimizer": stats.optimizer_index},
     )
@@ -774,15 +844,15 @@ def other_rank_input_finding(
         kind="nonfinite_input",
         step=stats.step,
         severity="error",
-        message=(
-            f"The input batch of {which} at step {stats.step} already held non-finite values before "
-            f"the model ran:\n" + "\n".join(lines) + "\n"
+        explanation=Explanation(
+            what=f"The input batch of {which} at step {stats.step} already held non-finite values before "
+            "the model ran:\n" + "\n".join(lines) + "\n"
             f"The data on {which}, not the model, is the cause: this rank's own inputs were finite, and "
             "the gradient all-reduce carried the NaN/Inf into every rank's gradients.\n"
-            f"{_ACTION.get(policy, '')}\n"
-            f"Fix: look at the batch {which} got at this step (its data shard: missing values in the "
+            f"{_ACTION.get(policy, '')}",
+            fix=f"look at the batch {which} got at this step (its data shard: missing values in the "
             "dataset, a normalization by a zero std, a broken augmentation); filter or impute bad samples, and "
-            "assert torch.isfinite(x).all() in the data pipeline while debugging."
+            "assert torch.isfinite(x).all() in the data pipeline while debugging.",
         ),
         data={"ranks": list(input_ranks), "inputs": rows, "table": rows, "optimizer": stats.optimizer_index},
     )

@@ -25,233 +25,27 @@ What it adds to ``StepStats.extra`` (read by ``checks/exploding.py``, ``checks/v
   checked steps (those early measurements give no per-layer ratios: layers are judged on the cadence);
 - ``scalars``: ``gradwatch/update_ratio/<layer>`` for TensorBoard.
 
-Also small robust-statistics helpers (median, MAD) the magnitude checks share.
+The names of those keys, and the helpers the magnitude checks share, live in :mod:`gradwatch.core.measured`
+and :mod:`gradwatch.core.trend`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from gradwatch.core.stats import SyncBatch, layer_norms, local_shards, queue_grad_norms, read_grad_norms
-
-#: Scale factor that turns a median absolute deviation into a standard deviation for normal data.
-MAD_TO_STD = 1.4826
-
-
-def median(values: Iterable[float]) -> float:
-    """Median of finite values (``nan`` for none)."""
-    isfinite = math.isfinite
-    v = sorted([x for x in values if isfinite(x)])
-    if not v:
-        return math.nan
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
-def robust_spread(values: Iterable[float]) -> tuple[float, float]:
-    """``(median, spread)`` where spread is the MAD scaled to a standard deviation."""
-    isfinite = math.isfinite
-    v = [x for x in values if isfinite(x)]
-    m = median(v)
-    if not v:
-        return math.nan, math.nan
-    return m, MAD_TO_STD * median([abs(x - m) for x in v])
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """Nearest-rank quantile of finite values (``nan`` for none)."""
-    isfinite = math.isfinite
-    v = sorted([x for x in values if isfinite(x)])
-    if not v:
-        return math.nan
-    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
-
-
-_T = TypeVar("_T")
-
-
-def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
-    """Compute ``fn(stats, history)`` once per checked step: a check and its ``remember`` share it.
-
-    The engine runs every check and then every ``remember`` on the same statistics before it records
-    them in the history, so what ``fn`` reads does not change in between. The result is reused only for
-    the same statistics object, the same history, and the same last recorded step of that history.
-    """
-    cell: list[tuple[Any, ...]] = [()]
-
-    @functools.wraps(fn)
-    def wrapper(stats: Any, history: Any) -> _T:
-        last = history.last.get(stats.optimizer_index)
-        memo = cell[0]  # one read: another thread may replace it, never half of it
-        if memo and memo[0]() is stats and memo[1]() is history and (memo[2]() if memo[2] else None) is last:
-            return memo[3]  # type: ignore[no-any-return]
-        value = fn(stats, history)
-        # Everything weakly but the value: this cell outlives the run, which must not stay alive through it.
-        cell[0] = (weakref.ref(stats), weakref.ref(history), weakref.ref(last) if last is not None else None, value)
-        return value
-
-    return wrapper
-
-
-def param_norms_of(stats: Any, history: Any) -> dict[str, float]:
-    """Per-layer parameter norms: this step's measurement, else the latest remembered one."""
-    now = stats.extra.get("param_norms")
-    if isinstance(now, dict):
-        return now
-    return history.memory.get("param_norms", {}).get(stats.optimizer_index, {})
-
-
-_WEIGHTS: list[Any] = [None, {}, None]
-
-
-def weight_summary(params: dict[str, float]) -> tuple[dict[str, float], float | None]:
-    """``(usable, total)`` of per-layer weight norms: the positive finite ones, and the norm of all the
-    weights. Computed once per measurement (every ``update_ratio_every`` steps), not on every step."""
-    memo = _WEIGHTS
-    if memo[0] is not params:
-        usable = {k: w for k, w in params.items() if 0.0 < w < math.inf}
-        total = math.sqrt(sum(v * v for v in params.values())) if params else None
-        memo[0], memo[1], memo[2] = params, usable, total
-    return memo[1], memo[2]
-
-
-def remember_param_norms(stats: Any, history: Any, now: Any = None) -> None:
-    """Keep the latest per-layer parameter norms (parameters change slowly between measurements): this
-    step's measurement, or ``now``, norms a check measured on a suspicious step."""
-    if now is None:
-        now = stats.extra.get("param_norms")
-    if isinstance(now, dict):
-        history.memory.setdefault("param_norms", {})[stats.optimizer_index] = now
-
-
-#: Optimizer indices whose parameter norms a check wants measured at their next checked step (in deferred
-#: mode, where a suspicious step's weights cannot be read on the spot: they have moved on, and no sync is
-#: allowed). The measurement rides in that step's one sync.
-WANT_PARAM_NORMS = "param_norms/wanted"
-
-
-def measure_param_norms(params: list[torch.Tensor], modules: list[str | None]) -> dict[str, float]:
-    """Per-layer norms of ``params`` as they are now, read back with one sync: only for a suspicious step."""
-    keep = [(p.detach(), m) for p, m in zip(params, modules) if p.is_floating_point() and not p.is_meta]
-    if not keep:
-        return {}
-    batch = SyncBatch()
-    slots = queue_grad_norms(batch, [p for p, _ in keep])
-    return layer_norms([m for _, m in keep], read_grad_norms(batch.resolve(), slots, len(keep)))
-
-
-#: Where the checks keep a run's early levels (set once, after their first 20 checked steps).
-EARLY_LOSS = "loss_early"
-EARLY_NORM = "exploding_early"
-#: A loss (or total gradient norm) this many times below its early level: the run is at its minimum.
-CONVERGED = 100.0
-
-
-def converged(history: Any, optimizer_index: int) -> str | None:
-    """``"loss"`` when the recent median loss is 100x below the run's early one, ``"norm"`` when the total
-    gradient norm's is (no loss observed), else None. Only asked when a finding is about to fire."""
-    loss_early = history.memory.get(EARLY_LOSS)
-    if isinstance(loss_early, float) and loss_early > 0 and history.losses:
-        return "loss" if median(history.losses) < loss_early / CONVERGED else None
-    norm_early = history.memory.get(EARLY_NORM, {}).get(optimizer_index)
-    recent = history.total_norms.get(optimizer_index, ())
-    if norm_early and recent and median(recent) < norm_early / CONVERGED:
-        return "norm"
-    return None
-
-
-def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:
-    """When the gradients are clipped after gradwatch's measurement (Lightning's ``gradient_clip_val``, the
-    module's ``configure_gradient_clipping``, see ``lightning.ClipRatio``; a plain loop's own clipping, see
-    ``gradwatch.observe.preclip``), one clause saying so, with the
-    factor when known (``this_step``: the finding is about this step's gradient). None when nothing is known
-    to clip, or when Lightning's norm clipping did not bite (the norm was below ``gradient_clip_val``)."""
-    facts = stats.extra.get("clipping")
-    how = facts.get("how") if isinstance(facts, dict) else None
-    clip = facts.get("clip_val") if isinstance(facts, dict) else None
-    if how == "norm":
-        ratio = stats.extra.get("clip_ratio")
-        if not this_step:
-            return f"Lightning's gradient clipping (gradient_clip_val={clip:g}) bounds the norm of every update"
-        if isinstance(ratio, float) and ratio < 1.0:
-            return (
-                f"Lightning's gradient clipping (gradient_clip_val={clip:g}) scaled this step's gradient down "
-                f"{1 / ratio:.3g}x, to norm {clip:g}, before the update (gradwatch measures before clipping)"
-            )
-        return None
-    if how == "value":
-        return (
-            f"Lightning's gradient clipping clamps every gradient element to +-{clip:g} "
-            "(gradient_clip_algorithm='value') before the update (gradwatch measures before clipping)"
-        )
-    if how == "loop":  # a plain loop that changed the gradients between backward() and step() (preclip)
-        ratio = stats.extra.get("clip_ratio")
-        if not this_step:
-            return "the training loop clips the gradients between backward() and optimizer.step()"
-        if isinstance(ratio, float) and ratio < 1.0:
-            return (
-                f"the training loop scaled this step's gradient down {1 / ratio:.3g}x between backward() and "
-                "optimizer.step() (clipping; gradwatch measures before clipping)"
-            )
-        return None
-    if how == "module":
-        return (
-            "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "
-            "(gradwatch measures before clipping; it may not clip every step)"
-        )
-    return None
-
-
-def clip_advice(stats: Any) -> str:
-    """How to clip gradients, in the terms of the loop at hand: a plain loop, Lightning's automatic
-    optimization (``gradient_clip_val`` when it does not clip yet, a lower one when it did not bite) or its
-    manual optimization (``self.clip_gradients``)."""
-    facts = stats.extra.get("clipping")
-    if not isinstance(facts, dict) or not facts.get("lightning"):
-        return "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0) between backward() and optimizer.step()"
-    if facts.get("manual"):
-        return (
-            "self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm='norm') between "
-            "self.manual_backward(loss) and opt.step()"
-        )
-    if facts.get("how") == "norm":
-        return (
-            f"lower Trainer(gradient_clip_val={facts['clip_val']:g}): this step's gradient norm was below it, so it "
-            "did not bite; a few times the usual gradient norm bounds such steps"
-        )
-    return "Trainer(gradient_clip_val=1.0), which Lightning applies between backward and the optimizer step"
-
-
-def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
-    """True when a condition has just held for ``n`` observations in a row (not already before).
-
-    ``previous`` holds the earlier observations (newest last, at least ``n`` kept); ``held(value)`` says
-    whether the condition held for one of them; ``current`` says whether it holds now. Firing only at the
-    crossing reports a persisting condition once, and again after it recovered and came back.
-    """
-    if not current:
-        return False
-    prev = list(previous)
-    k = n - 1
-    if len(prev) < k or not all(held(v) for v in (prev[len(prev) - k :] if k > 0 else [])):
-        return False
-    return not (len(prev) >= n and all(held(v) for v in prev[len(prev) - n :]))
-
-
-#: Checked steps, from the first, whose update is measured (whatever ``update_ratio_every``): a learning
-#: rate far too large throws the weights in the first updates, and is seen in the whole-model ratio.
-EARLY_UPDATES = 10
-#: ``StepStats.extra`` key of the whole model's measured update-to-weight ratio.
-UPDATE_TOTAL = "update_ratio_total"
-#: ... and of the norm of the weights it was measured against.
-UPDATE_WEIGHTS = "update_ratio_total/weights"
+from gradwatch.core.measured import (
+    EARLY_UPDATES,
+    PARAM_NORMS,
+    UPDATE_RATIO,
+    UPDATE_TOTAL,
+    UPDATE_WEIGHTS,
+    WANT_PARAM_NORMS,
+)
+from gradwatch.core.stats import layer_norms, local_shards, queue_grad_norms, read_grad_norms
 
 #: Elements of each parameter tensor kept to measure its update (fewer: all of them). The update-to-weight
 #: ratio of a larger tensor is estimated from this fixed random sample of its elements: within a few
@@ -320,6 +114,85 @@ class _Inflight:
     early: bool = False  # measured on one of the first EARLY_UPDATES checks only (not the regular cadence)
 
 
+@dataclass(frozen=True, slots=True)
+class MeasurementPlan:
+    """What one checked step measures of the weights (see :func:`plan_measurement`)."""
+
+    norms: bool  # queue the per-layer norms of the weights
+    sample: bool  # keep a sample of the weights, to measure their update at the next checked step
+    early: bool  # a sample off the cadence (one of the first EARLY_UPDATES checks): whole-model ratio only
+    takes_wish: bool  # the norms answer a check's request (WANT_PARAM_NORMS)
+
+
+def plan_measurement(count: int, every: int, asked: bool) -> MeasurementPlan:
+    """The measurement of the ``count``-th checked step (from 0) with cadence ``every``; ``asked``: a check
+    wants this step's weight norms. The cadence samples and measures norms; each of the first
+    :data:`EARLY_UPDATES` checks samples for the whole-model ratio; a request off the cadence gets norms only."""
+    on_cadence = count % every == 0
+    wish = asked and not on_cadence
+    return MeasurementPlan(
+        norms=on_cadence or wish, sample=on_cadence or count < EARLY_UPDATES, early=not on_cadence, takes_wish=wish
+    )
+
+
+def whole_model_ratio(before: dict[str, float], update: dict[str, float], steps: int) -> tuple[float, float] | None:
+    """``(ratio, weights)``: the whole model's update-to-weight ratio per optimizer step and the norm of the
+    weights, from per-layer norms of the weights before and of the update; None when not measurable."""
+    total_w = math.sqrt(sum(v * v for v in before.values()))
+    total_u = math.sqrt(sum(v * v for v in update.values()))
+    if total_w > 0 and math.isfinite(total_w) and math.isfinite(total_u):
+        return total_u / total_w / max(1, steps), total_w
+    return None
+
+
+def layer_ratios(before: dict[str, float], update: dict[str, float], steps: int) -> dict[str, float]:
+    """Per-layer update-to-weight ratios per optimizer step, for the layers with finite, positive weights."""
+    ratios: dict[str, float] = {}
+    for layer, u in update.items():
+        w = before.get(layer, 0.0)
+        if w > 0 and math.isfinite(u) and math.isfinite(w):
+            ratios[layer] = u / w / max(1, steps)
+    return ratios
+
+
+def _measurable(params: list[torch.Tensor], modules: list[str | None]) -> tuple[list[torch.Tensor], list[str | None]]:
+    """The floating-point, materialized parameters and their modules."""
+    keep = [(p, m) for p, m in zip(params, modules) if p.is_floating_point() and not p.is_meta]
+    return [p for p, _ in keep], [m for _, m in keep]
+
+
+def _queue_update(ctx: Any, snap: _Snapshot, info: _Inflight) -> None:
+    """Queue the norms of the sampled weights before the update and of the update since ``snap``."""
+    steps = ctx.stats.step - snap.step
+    pairs = [
+        (p, b, m, c)
+        for p, b, m, c in zip(snap.params, snap.before, snap.modules, snap.scales)
+        if p.dtype == b.dtype and min(_local(p).numel(), UPDATE_SAMPLE) == b.numel()
+    ]
+    if steps < 1 or not pairs:
+        return
+    before = [b for _, b, _, _ in pairs]
+    info.before_slots = queue_grad_norms(ctx.batch, before)
+    # In place in our own sample: before <- before - now; its norm is the update's norm.
+    with torch.no_grad():
+        torch._foreach_sub_(before, [sample_elements(p) for p, _, _, _ in pairs])
+    info.update_slots = queue_grad_norms(ctx.batch, before)
+    info.update_modules = [m for _, _, m, _ in pairs]
+    info.update_scales = [c for _, _, _, c in pairs]
+    info.update_steps = steps
+    info.early = snap.early
+
+
+def _read_update(values: Any, info: _Inflight) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-layer norms of the weights before and of their update, scaled from the samples to whole tensors."""
+    n = len(info.update_modules)
+    scales = info.update_scales
+    assert info.before_slots is not None and info.update_slots is not None
+    before_norms = [v * c for v, c in zip(read_grad_norms(values, info.before_slots, n), scales)]
+    update_norms = [v * c for v, c in zip(read_grad_norms(values, info.update_slots, n), scales)]
+    return layer_norms(info.update_modules, before_norms), layer_norms(info.update_modules, update_norms)
+
+
 class MagnitudeExtension:
     """Measures per-layer parameter norms and update-to-weight ratios every ``update_ratio_every`` checks.
 
@@ -349,47 +222,31 @@ class MagnitudeExtension:
         info = _Inflight(None, [], None, None, [], 0)
         snap = self._snapshots.pop(i, None)
         if snap is not None:
-            steps = ctx.stats.step - snap.step
-            pairs = [
-                (p, b, m, c)
-                for p, b, m, c in zip(snap.params, snap.before, snap.modules, snap.scales)
-                if p.dtype == b.dtype and min(_local(p).numel(), UPDATE_SAMPLE) == b.numel()
-            ]
-            if steps >= 1 and pairs:
-                before = [b for _, b, _, _ in pairs]
-                info.before_slots = queue_grad_norms(ctx.batch, before)
-                # In place in our own sample: before <- before - now; its norm is the update's norm.
-                with torch.no_grad():
-                    torch._foreach_sub_(before, [sample_elements(p) for p, _, _, _ in pairs])
-                info.update_slots = queue_grad_norms(ctx.batch, before)
-                info.update_modules = [m for _, _, m, _ in pairs]
-                info.update_scales = [c for _, _, _, c in pairs]
-                info.update_steps = steps
-                info.early = snap.early
+            _queue_update(ctx, snap, info)
         wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
-        if wanted and i in wanted and count % self.every != 0 and ctx.params:
-            # A check asked for this step's weights (see WANT_PARAM_NORMS): their norms only, no update sample.
-            wanted.discard(i)
-            params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
-            if params:
-                info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
-                info.param_modules = [
-                    m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta
-                ]
-        if (count % self.every == 0 or count < EARLY_UPDATES) and ctx.params:
-            params = [p for p in ctx.params if p.is_floating_point() and not p.is_meta]
-            modules = [m for p, m in zip(ctx.params, ctx.stats.modules) if p.is_floating_point() and not p.is_meta]
-            early = count % self.every != 0
-            if params:
-                if not early:  # an early measurement samples the weights for their update only
-                    info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
-                    info.param_modules = modules
-                with torch.no_grad():
-                    before = [sample_elements(p) for p in params]
-                scales = [_scale(p, b) for p, b in zip(params, before)]
-                self._snapshots[i] = _Snapshot(params, before, modules, ctx.stats.step, scales, early=early)
+        plan = plan_measurement(count, self.every, asked=bool(wanted) and i in wanted)
+        if ctx.params and (plan.norms or plan.sample):
+            if plan.takes_wish:
+                wanted.discard(i)  # a check asked for this step's weights (see WANT_PARAM_NORMS)
+            self._queue_weights(ctx, plan, info)
         if info.param_slots is not None or info.update_slots is not None:
             self._inflight[id(ctx)] = info
+
+    def _queue_weights(self, ctx: Any, plan: MeasurementPlan, info: _Inflight) -> None:
+        """Queue the weights' norms and/or keep a sample of them for the next step's update."""
+        params, modules = _measurable(ctx.params, ctx.stats.modules)
+        if not params:
+            return
+        if plan.norms:
+            info.param_slots = queue_grad_norms(ctx.batch, [p.detach() for p in params])
+            info.param_modules = modules
+        if plan.sample:
+            with torch.no_grad():
+                before = [sample_elements(p) for p in params]
+            scales = [_scale(p, b) for p, b in zip(params, before)]
+            self._snapshots[ctx.stats.optimizer_index] = _Snapshot(
+                params, before, modules, ctx.stats.step, scales, early=plan.early
+            )
 
     def after_sync(self, ctx: Any) -> None:
         info = self._inflight.pop(id(ctx), None)
@@ -399,32 +256,22 @@ class MagnitudeExtension:
         extra = ctx.stats.extra
         if info.param_slots is not None:
             norms = read_grad_norms(values, info.param_slots, len(info.param_modules))
-            extra["param_norms"] = layer_norms(info.param_modules, norms)
-        if info.update_slots is not None and info.before_slots is not None:
-            n = len(info.update_modules)
-            scales = info.update_scales
-            before_norms = [v * c for v, c in zip(read_grad_norms(values, info.before_slots, n), scales)]
-            update_norms = [v * c for v, c in zip(read_grad_norms(values, info.update_slots, n), scales)]
-            before = layer_norms(info.update_modules, before_norms)
-            update = layer_norms(info.update_modules, update_norms)
-            total_w = math.sqrt(sum(v * v for v in before.values()))
-            total_u = math.sqrt(sum(v * v for v in update.values()))
-            if total_w > 0 and math.isfinite(total_w) and math.isfinite(total_u):
-                # The whole model's update-to-weight ratio, on every measurement (the first ones included).
-                extra[UPDATE_TOTAL] = total_u / total_w / max(1, info.update_steps)
-                extra[UPDATE_WEIGHTS] = total_w
-            if info.early:
-                return  # the early measurements feed the whole-model ratio only (checks/early_update.py)
-            ratios: dict[str, float] = {}
-            for layer, u in update.items():
-                w = before.get(layer, 0.0)
-                if w > 0 and math.isfinite(u) and math.isfinite(w):
-                    ratios[layer] = u / w / max(1, info.update_steps)
-            if ratios and any(r > 0 for r in ratios.values()):  # all zero: no update happened (skipped)
-                extra["update_ratio"] = ratios
-                scalars = extra.setdefault("scalars", {})
-                for layer, r in ratios.items():
-                    scalars[f"gradwatch/update_ratio/{layer}"] = r
+            extra[PARAM_NORMS] = layer_norms(info.param_modules, norms)
+        if info.update_slots is None or info.before_slots is None:
+            return
+        before, update = _read_update(values, info)
+        whole = whole_model_ratio(before, update, info.update_steps)
+        if whole is not None:
+            # The whole model's update-to-weight ratio, on every measurement (the first ones included).
+            extra[UPDATE_TOTAL], extra[UPDATE_WEIGHTS] = whole
+        if info.early:
+            return  # the early measurements feed the whole-model ratio only (checks/early_update.py)
+        ratios = layer_ratios(before, update, info.update_steps)
+        if ratios and any(r > 0 for r in ratios.values()):  # all zero: no update happened (skipped)
+            extra[UPDATE_RATIO] = ratios
+            scalars = extra.setdefault("scalars", {})
+            for layer, r in ratios.items():
+                scalars[f"gradwatch/update_ratio/{layer}"] = r
 
     def after_step(self, stats: Any, decision: str) -> None:
         if decision == "skip":

@@ -146,6 +146,23 @@ class _RecordingMode(TorchFunctionMode):
         return result
 
 
+def _changed(
+    first: torch.Tensor | None,
+    before: int,
+    out_kw: Any,
+    before_out: int,
+    written: list[tuple[torch.Tensor, int]] | None,
+) -> list[tuple[torch.Tensor, int]]:
+    """The tensors an op wrote in place, each with its version before the op: ``written`` (known to the
+    caller), its first argument and its ``out=`` tensor when their versions moved."""
+    changed: list[tuple[torch.Tensor, int]] = list(written or ())
+    if first is not None and first._version != before:
+        changed.append((first, before))
+    if isinstance(out_kw, torch.Tensor) and out_kw._version != before_out:
+        changed.append((out_kw, before_out))
+    return changed
+
+
 class ForwardTracer:
     """Engine extension: module-level forward tracing on the first step and while escalated.
 
@@ -296,36 +313,14 @@ class ForwardTracer:
         written: list[tuple[torch.Tensor, int]] | None = None,
     ) -> None:
         module = self._stack[-1] if self._stack else None
-        changed: list[tuple[torch.Tensor, int]] = list(written or ())
-        if first is not None and first._version != before:
-            changed.append((first, before))
-        if isinstance(out_kw, torch.Tensor) and out_kw._version != before_out:
-            changed.append((out_kw, before_out))
+        changed = _changed(first, before, out_kw, before_out, written)
         outs = _tensors(result)
         if not changed and not any(t.grad_fn is not None for t in outs):
             return
         name = func_name(func) + ("(inplace=True)" if inplace_flag else "")
-        source = user_source(3)
+        source = user_source(3)  # here, so that the depth counts from the op's caller
         for t, v in changed:
-            base = t._base
-            event = InplaceRecord(
-                tensor=weakref.ref(t),
-                base=weakref.ref(base) if base is not None else None,
-                op=name,
-                module=module,
-                source=source,
-                version_before=v,
-                version_after=t._version,
-            )
-            self.inplace.append(event)
-            # Attach it to the traced output it changed (the tensor itself or the base it is a view of),
-            # while the Python object is certainly alive.
-            for target in (t, base):
-                if target is None:
-                    continue
-                rec = self._by_tensor.get(id(target))
-                if rec is not None and rec.tensor() is target:
-                    rec.modified_by.append(event)
+            self._record_inplace(t, v, name, module, source)
         for t in outs:
             node = t.grad_fn
             if node is None:
@@ -343,6 +338,30 @@ class ForwardTracer:
                 self.records[id(node)] = rec
             if not changed:
                 self._by_tensor[id(t)] = rec
+
+    def _record_inplace(
+        self, t: torch.Tensor, version_before: int, name: str, module: str | None, source: str | None
+    ) -> None:
+        """An in-place change of ``t`` by op ``name``, attached to the traced output it changed."""
+        base = t._base
+        event = InplaceRecord(
+            tensor=weakref.ref(t),
+            base=weakref.ref(base) if base is not None else None,
+            op=name,
+            module=module,
+            source=source,
+            version_before=version_before,
+            version_after=t._version,
+        )
+        self.inplace.append(event)
+        # Attach it to the traced output it changed (the tensor itself or the base it is a view of),
+        # while the Python object is certainly alive.
+        for target in (t, base):
+            if target is None:
+                continue
+            rec = self._by_tensor.get(id(target))
+            if rec is not None and rec.tensor() is target:
+                rec.modified_by.append(event)
 
     # -- look-ups ---------------------------------------------------------------------------------
     def record_for(self, node: Any) -> OpRecord | None:

@@ -206,37 +206,46 @@ class _Tracker:
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
         try:
-            if self.on_dropped is not None:
-                scale = self.scale()
-                if (
-                    scale is not None
-                    and scale._version != self.pass_scale_version
-                    and self.pass_steps == self.steps()
-                    and self.pass_steps >= 0
-                ):
-                    self.on_dropped()
-            if self.post_ref is not None:
-                g = self.rep.grad if self.rep is not None else None
-                if g is None or g is not self.post_ref() or g._version != self.post_version:
-                    self.kept_passes = 0  # what the earlier passes accumulated is gone
-                    if self.on_cleared is not None:
-                        self.on_cleared()
+            if self.on_dropped is not None and self._scaler_dropped_a_step():
+                self.on_dropped()
+            if self.post_ref is not None and self._cleared_since_last_pass():
+                self.kept_passes = 0  # what the earlier passes accumulated is gone
+                if self.on_cleared is not None:
+                    self.on_cleared()
             if self.base_ref is None or self.cleared or self.rep is None:
                 return
-            g = self.rep.grad
-            if g is None or g is not self.base_ref():
-                self.cleared = True
-            elif g._version != self.base_version + self.accumulations:
-                self.cleared = True  # zero_() / zero_grad(set_to_none=False) since the previous step
-            else:
-                # Same tensor, only accumulations since the previous check: zero_grad forgotten, or the
-                # gradient was zeroed through .data (no version bump). Its value tells them apart.
-                held = g.any() if not g.is_sparse else g.coalesce().values().any()
-                self.old_nonzero.append(held)
-                if len(self.old_nonzero) > 16:  # many backward passes per step: keep the memory flat
-                    self.old_nonzero = [torch.stack(self.old_nonzero).all()]
+            self._compare_with_baseline(self.rep.grad)
         except Exception as exc:  # noqa: BLE001 - never break the user's backward
             internal_warning("zero_grad tensor hook", exc)
+
+    def _scaler_dropped_a_step(self) -> bool:
+        """``scaler.update()`` wrote the scale since the latest pass, with no optimizer step in between."""
+        scale = self.scale()
+        return (
+            scale is not None
+            and scale._version != self.pass_scale_version
+            and self.pass_steps == self.steps()
+            and self.pass_steps >= 0
+        )
+
+    def _cleared_since_last_pass(self) -> bool:
+        """The gradient the latest pass wrote is gone (None, another tensor) or was written since."""
+        g = self.rep.grad if self.rep is not None else None
+        return g is None or g is not self.post_ref() or g._version != self.post_version
+
+    def _compare_with_baseline(self, g: torch.Tensor | None) -> None:
+        """Cleared since the previous check, or the same tensor with only accumulations (a lazy read decides)."""
+        if g is None or g is not self.base_ref():
+            self.cleared = True
+        elif g._version != self.base_version + self.accumulations:
+            self.cleared = True  # zero_() / zero_grad(set_to_none=False) since the previous step
+        else:
+            # Same tensor, only accumulations since the previous check: zero_grad forgotten, or the
+            # gradient was zeroed through .data (no version bump). Its value tells them apart.
+            held = g.any() if not g.is_sparse else g.coalesce().values().any()
+            self.old_nonzero.append(held)
+            if len(self.old_nonzero) > 16:  # many backward passes per step: keep the memory flat
+                self.old_nonzero = [torch.stack(self.old_nonzero).all()]
 
     def after_accumulate(self, param: torch.Tensor) -> None:
         try:
@@ -493,6 +502,42 @@ def repick_rule(any_grads: bool, has_grad: bool, unreached: bool, swapped: bool)
     return MOST_WRITTEN if unreached else None
 
 
+def baseline_was_dropped(dropped: Any, base_step: int | None) -> bool:
+    """The tracker's baseline was taken at the first of the steps a GradScaler dropped (``scaler_dropped``:
+    ``(first step, count)``) since the previous check."""
+    return isinstance(dropped, tuple) and base_step == dropped[0]
+
+
+def partly_cleared(missing: bool, facts: ZeroGradFacts, has_snapshot: bool) -> bool:
+    """The representative accumulated while the sentinel was cleared (``zero_grad()`` on part of the model):
+    the verdict waits for the next check, which names the parameters that accumulated."""
+    return missing and bool(facts.get("sentinel_cleared")) and "kept_params" not in facts and not has_snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class LazyFlags:
+    """The tracker's lazy device reads, after the step's one sync (None: not queued this step)."""
+
+    old_zero: bool | None = None  # some backward found the old gradient all zero
+    nonzero_after_backward: bool | None = None  # the gradient right after the last pass held a non-zero
+    rewritten: bool | None = None  # the sampled gradient changed in place, not by a scaling
+
+
+_NO_FLAGS = LazyFlags()
+
+
+def _read_lazy_flags(ctx: Any) -> LazyFlags:
+    slots = ctx.slots
+    if _SLOT_ZERO not in slots and _SLOT_NONZERO not in slots and _SLOT_REWRITTEN not in slots:
+        return _NO_FLAGS  # nothing queued: the usual step
+    values = ctx.batch.resolve()
+    return LazyFlags(
+        old_zero=not all(values[slots[_SLOT_ZERO]]) if _SLOT_ZERO in slots else None,
+        nonzero_after_backward=bool(values[slots[_SLOT_NONZERO]][0]) if _SLOT_NONZERO in slots else None,
+        rewritten=bool(values[slots[_SLOT_REWRITTEN]][0]) if _SLOT_REWRITTEN in slots else None,
+    )
+
+
 class ZeroGradTracker:
     """Engine extension: is each step's gradient this step's only? See the module docstring."""
 
@@ -702,27 +747,18 @@ class ZeroGradTracker:
         facts = stats.extra.get("zero_grad")
         if not isinstance(facts, dict):
             return
-        values = None
-        if _SLOT_ZERO in ctx.slots:
-            values = ctx.batch.resolve()
+        read = _read_lazy_flags(ctx)
+        if read.old_zero is not None:
             # Any backward that found the old gradient all zero: it was cleared (through .data).
-            old_zero = not all(values[ctx.slots[_SLOT_ZERO]])
-            facts["state"] = FRESH if old_zero else ACCUMULATED
-            stats.extra["zero_grad_missing"] = not old_zero
+            facts["state"] = FRESH if read.old_zero else ACCUMULATED
+            stats.extra["zero_grad_missing"] = not read.old_zero
         i = facts.get("optimizer")
         tracker = self.trackers[i] if isinstance(i, int) and i < len(self.trackers) else None
-        dropped = stats.extra.get("scaler_dropped")
-        if tracker is not None and isinstance(dropped, tuple) and tracker.base_step == dropped[0]:
+        if tracker is not None and baseline_was_dropped(stats.extra.get("scaler_dropped"), tracker.base_step):
             # The scaler's dropped steps came before this one, whose step number moved past them after the
             # sync: the next check's "not cleared after the update of step N" names this update.
             tracker.base_step = stats.step
-        if (
-            stats.extra["zero_grad_missing"]
-            and facts.get("sentinel_cleared")
-            and "kept_params" not in facts
-            and tracker is not None
-            and tracker.snapshot is None
-        ):
+        if tracker is not None and partly_cleared(stats.extra["zero_grad_missing"], facts, tracker.snapshot is not None):
             # Accumulated, but the sentinel was cleared: zero_grad() on part of the model only. Which part
             # shows at the next check (an O(parameters) snapshot, on this step only); the finding waits for
             # it rather than naming parameters that were cleared.
@@ -730,14 +766,10 @@ class ZeroGradTracker:
             tracker.take_snapshot(op.params, op.names)
             stats.extra["zero_grad_missing"] = False
         suspicious = bool(facts.get("changed_after_backward")) and bool(stats.names) and stats.total_norm == 0.0
-        if _SLOT_NONZERO in ctx.slots:
-            values = values if values is not None else ctx.batch.resolve()
-            if suspicious and bool(values[ctx.slots[_SLOT_NONZERO]][0]):
-                stats.extra["grads_cleared_before_step"] = True
-        if _SLOT_REWRITTEN in ctx.slots:
-            values = values if values is not None else ctx.batch.resolve()
-            if bool(values[ctx.slots[_SLOT_REWRITTEN]][0]):
-                facts["last_backward_grad"] = False  # other values were written into it: not that pass's
+        if suspicious and read.nonzero_after_backward:
+            stats.extra["grads_cleared_before_step"] = True
+        if read.rewritten:
+            facts["last_backward_grad"] = False  # other values were written into it: not that pass's
         if tracker is not None:
             tracker.watch_after_backward = suspicious
 
