@@ -42,15 +42,20 @@ def nonfinite_now(index: ParamIndex, opt_indices: list[int], losses: list[Any]) 
     names, grads = _present_grads(index, opt_indices)
     batch = SyncBatch()
     slots = queue_grad_norms(batch, grads)
-    live = [l for l in losses if isinstance(l, torch.Tensor) and l.numel() > 0 and not l.is_meta]
-    loss_slot = batch.add(torch.stack([l.detach().float().mean() for l in live])) if live else -1
-    values = batch.resolve() if slots or live else []
+    loss_slot = _queue_live_losses(batch, losses)
+    values = batch.resolve() if slots or loss_slot >= 0 else []
     norms = read_grad_norms(values, slots, len(grads)) if slots else []
     suspects = [i for i, v in enumerate(norms) if not math.isfinite(v)]
     counts = count_nonfinite(names, grads, suspects)
     bad = [names[i] for i in suspects if names[i] in counts[0] or names[i] in counts[1]]
-    bad_loss = next((v for v in values[loss_slot] if not math.isfinite(v)), None) if live else None
+    bad_loss = next((v for v in values[loss_slot] if not math.isfinite(v)), None) if loss_slot >= 0 else None
     return bad_loss, bad, counts, len(names)
+
+
+def _queue_live_losses(batch: SyncBatch, losses: list[Any]) -> int:
+    """The mean of each loss tensor that holds values, queued into ``batch``: its slot, or -1 for none."""
+    live = [l for l in losses if isinstance(l, torch.Tensor) and l.numel() > 0 and not l.is_meta]
+    return batch.add(torch.stack([l.detach().float().mean() for l in live])) if live else -1
 
 
 def _present_grads(index: ParamIndex, opt_indices: list[int]) -> tuple[list[str], list[torch.Tensor]]:

@@ -33,12 +33,13 @@ from gradwatch.core.loss_ledger import LossLedger
 from gradwatch.core.param_tracker import ParamTracker
 from gradwatch.core.params import OptimizerParams, ParamIndex
 from gradwatch.core.policy import Verdict, decide, error_text, needs_incident, too_many_skips
+from gradwatch.core.run_state import load_state, state_of, summary_of
 from gradwatch.core.stats import StepStats, SyncBatch, queue_all_norms, queue_grad_norms
 from gradwatch.core.step_pipeline import Gathered, StepContext, fill, fold_restated, gather, run_checks
 from gradwatch.core.update_guard import UpdateGuard
 from gradwatch.observe.preclip import BackwardNorms
 from gradwatch.report import internal_warning
-from gradwatch.report.jsonl import JsonlReporter, new_run_id
+from gradwatch.report.jsonl import new_run_id
 from gradwatch.report.scalars import NormSample, StepScalars
 from gradwatch.report.setup import build_reporters
 from gradwatch.report.summary import RunSummary
@@ -223,32 +224,20 @@ class Engine:
     def _new_stats(self, op: OptimizerParams, got: Gathered, opt_index: int, step: int, changed: bool) -> StepStats:
         """The step's statistics before the read: who holds a gradient, and what the parameter tracker and
         the loss ledger know (``stats.extra``)."""
-        params, first = self.params, self.params.first_check[opt_index]
         stats = StepStats(
             step=step,
             optimizer_index=opt_index,
             names=got.names,
             modules=got.modules,
             none_grad=tuple(got.none),
-            not_in_optimizer=params.unheld_with_grads() if first or changed else (),
             params_changed=changed,
             foreign=tuple(op.foreign) if self.index.model_trainable else (),
-            first_check=first,
         )
-        params.first_check[opt_index] = False
+        self.params.describe(stats, op, got.none, changed, self.extension)
         extra = stats.extra
-        if first or changed or params.unregistered_seen:
-            extra["unregistered"] = params.unregistered(first or changed, self.extension)
-        elif params.forward_scans < 2:
-            extra["unregistered"] = params.built_in_forward(self.extension)
         extra["params"] = got.params  # aligned with names; checks that need a parameter's flags read it
         extra["lookup_layers"] = self.index.lookup_layers
         extra["optimizer"] = op.optimizer
-        if got.none:
-            extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads
-            dropped = params.grads_dropped(op, got.none, self.extension)
-            if dropped:
-                extra["grad_dropped"] = dropped
         if len(self.optimizers) > 1:
             extra["several_optimizers"] = True
         self.ledger.take_backward_passes(stats)
@@ -443,18 +432,8 @@ class Engine:
 
     # -- end ---------------------------------------------------------------------------------------
     def summary(self) -> RunSummary:
-        samples = sorted(self._norm_sample.values)
-        return RunSummary(
-            steps=sum(self.step_counts),
-            steps_checked=self.steps_checked,
-            steps_skipped=self.steps_skipped,
-            kind_counts=dict(self.kind_counts),
-            first_step={k: min(f.step for f in self.findings if f.kind == k) for k in self.kind_counts},
-            norm_min=samples[0] if samples else None,
-            norm_median=samples[len(samples) // 2] if samples else None,
-            norm_max=samples[-1] if samples else None,
-            log_dir=self.log_dir,
-        )
+        """The run's summary so far (what the console prints at close)."""
+        return summary_of(self, self._norm_sample.values)
 
     def close(self) -> None:
         """Flush pending statistics, remove hooks, print the summary, close writers. Idempotent."""
@@ -484,38 +463,9 @@ class Engine:
         return self._closed
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps_checked": self.steps_checked,
-            "steps_skipped": self.steps_skipped,
-            "consecutive_skips": self.consecutive_skips,
-            "step_counts": list(self.step_counts),
-            "kind_counts": dict(self.kind_counts),
-            "findings": [f.to_dict() for f in self.findings[-1000:]],
-            "history": self.history.state_dict(),
-            "run": self.run_id,
-        }
+        """Counters, findings, history and run id (kept in a Lightning checkpoint)."""
+        return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_checked = int(state.get("steps_checked", 0))
-        self.steps_skipped = int(state.get("steps_skipped", 0))
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        counts = list(state.get("step_counts", []))
-        for i in range(min(len(counts), len(self.step_counts))):
-            self.step_counts[i] = int(counts[i])
-        self.kind_counts = Counter({str(k): int(v) for k, v in state.get("kind_counts", {}).items()})
-        self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
-        self.history.load_state_dict(state.get("history", {}))
-        run = state.get("run")
-        if isinstance(run, str) and run != self.run_id:
-            self._continue_run(run)
-
-    def _continue_run(self, run: str) -> None:
-        """A run resumed from its checkpoint: gradwatch.jsonl records go on under the checkpoint's run id."""
-        self.run_id = run
-        jsonl = self.reporters.of_type(JsonlReporter)
-        if jsonl is None:
-            return
-        try:
-            jsonl.continue_run(run, at_step=min(self.step_counts))
-        except Exception as exc:  # noqa: BLE001 - a record that cannot be written must not stop the resume
-            internal_warning("JsonlReporter.continue_run", exc, owner=jsonl, key="JsonlReporter")
+        """Resume from :meth:`state_dict`: counting goes on, and the records under the checkpoint's run id."""
+        load_state(self, state)

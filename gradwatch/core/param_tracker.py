@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradwatch.core.params import OptimizerParams, ParamIndex
+from gradwatch.core.stats import StepStats
 from gradwatch.core.weak import weak_method
 from gradwatch.diagnose.escalation import Escalation
 from gradwatch.report import internal_warning
@@ -91,6 +92,27 @@ class ParamTracker:
             self.dirty = False
             self.index.rebuild()
         return changed
+
+    def describe(
+        self, stats: StepStats, op: OptimizerParams, none: list[str], changed: bool, find: FindExtension
+    ) -> None:
+        """What the tracker knows of this step, into ``stats``: whether it is the optimizer's first check,
+        trainable parameters no optimizer holds, unregistered ones, and gradients dropped on purpose."""
+        i = stats.optimizer_index
+        first = stats.first_check = self.first_check[i]
+        self.first_check[i] = False
+        if first or changed:
+            stats.not_in_optimizer = self.unheld_with_grads()
+        extra = stats.extra
+        if first or changed or self.unregistered_seen:
+            extra["unregistered"] = self.unregistered(first or changed, find)
+        elif self.forward_scans < 2:
+            extra["unregistered"] = self.built_in_forward(find)
+        if none:
+            extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads
+            dropped = self.grads_dropped(op, none, find)
+            if dropped:
+                extra["grad_dropped"] = dropped
 
     def unheld_with_grads(self) -> tuple[str, ...]:
         """Trainable model parameters no watched optimizer holds that the backward reached. Those it did not
