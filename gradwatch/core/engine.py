@@ -4,7 +4,7 @@ Both ways in (``gradwatch.watch`` for plain loops, ``GradWatchCallback`` for Lig
 that call :meth:`Engine.check_step` right before an optimizer update and :meth:`Engine.step_done` after it.
 
 The engine is the one object the integrations and extensions talk to; it composes the parts that do the
-work: the reporters (:mod:`gradwatch.report.setup`, :mod:`gradwatch.report.scalars`), the extension bus
+work: the reporters (:mod:`gradwatch.report.build`, :mod:`gradwatch.report.scalars`), the extension bus
 (:mod:`gradwatch.core.extension_bus`), the parameter tracker (:mod:`gradwatch.core.param_tracker`), the loss
 ledger (:mod:`gradwatch.core.loss_ledger`), the step pipeline (:mod:`gradwatch.core.step_pipeline`), the
 policy (:mod:`gradwatch.core.policy`), the update guard (:mod:`gradwatch.core.update_guard`), the closure
@@ -41,7 +41,7 @@ from gradwatch.observe.preclip import BackwardNorms
 from gradwatch.report import internal_warning
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.report.scalars import NormSample, StepScalars
-from gradwatch.report.setup import build_reporters
+from gradwatch.report.build import build_reporters
 from gradwatch.report.summary import RunSummary
 
 __all__ = ["NONFINITE_KINDS", "Decision", "Engine", "Extension", "StepContext", "failed_trial_loss"]
