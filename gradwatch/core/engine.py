@@ -39,9 +39,9 @@ from gradwatch.core.step_pipeline import Gathered, StepContext, fill, fold_resta
 from gradwatch.core.update_guard import UpdateGuard
 from gradwatch.observe.preclip import BackwardNorms
 from gradwatch.report import internal_warning
+from gradwatch.report.build import build_reporters
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.report.scalars import NormSample, StepScalars
-from gradwatch.report.build import build_reporters
 from gradwatch.report.summary import RunSummary
 
 __all__ = ["NONFINITE_KINDS", "Decision", "Engine", "Extension", "StepContext", "failed_trial_loss"]
