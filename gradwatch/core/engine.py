@@ -105,7 +105,7 @@ class Engine:
         self.ledger = LossLedger(self.loss_observers)
         self.bus = ExtensionBus(self)
         self.extensions: list[Any] = self.bus.items
-        self.params = ParamTracker(self.index, self.optimizers, owner=self)
+        self.param_tracker = ParamTracker(self.index, self.optimizers, owner=self)
         self.update_guard = UpdateGuard(self.index)
         self.closure_guard = ClosureGuard(self)
         self._check_modules = _checks.discover()
@@ -119,7 +119,7 @@ class Engine:
             records_dir=records_dir,
         )
         if model is not None:
-            self.params.watch_registrations()
+            self.param_tracker.watch_registrations()
 
     # -- extensions --------------------------------------------------------------------------------
     def add_extension(self, ext: Any) -> Any:
@@ -205,7 +205,7 @@ class Engine:
 
     def _observe_and_check(self, opt_index: int, step: int) -> tuple[StepStats | None, list[Finding]]:
         """Observe (statistics queued, one read), check (pure checks, the incident path) one step."""
-        changed = self.params.refresh()
+        changed = self.param_tracker.refresh()
         op = self.index.per_optimizer[opt_index]
         got = gather(op)
         stats = self._new_stats(op, got, opt_index, step, changed)
@@ -233,7 +233,7 @@ class Engine:
             params_changed=changed,
             foreign=tuple(op.foreign) if self.index.model_trainable else (),
         )
-        self.params.describe(stats, op, got.none, changed, self.extension)
+        self.param_tracker.describe(stats, op, got.none, changed, self.extension)
         extra = stats.extra
         extra["params"] = got.params  # aligned with names; checks that need a parameter's flags read it
         extra["lookup_layers"] = self.index.lookup_layers
@@ -449,7 +449,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 internal_warning("close (deferred step)", exc, owner=self)
         self._closed = True
-        self.params.close()
+        self.param_tracker.close()
         self.bus.call("close")
         summary = None
         try:
