@@ -43,7 +43,7 @@ from gradwatch.core.extensions import default_extensions
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
-from gradwatch.watch import _stepping
+from gradwatch.watch import applying_optimizer
 
 # gradwatch is installed when this hint shows; Lightning is what is missing. ("gradwatch[lightning]" alone would
 # look for gradwatch on a package index, which does not hold it.)
@@ -328,7 +328,7 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
             # SAM-style wrappers update through their base optimizer's step() (first_step/second_step):
             # the hooks go where the update is applied, as in a plain loop.
             try:
-                stepping = _stepping(opt)
+                stepping = applying_optimizer(opt)
             except TypeError as exc:  # no step hooks: checked from Lightning's hooks only
                 safe_warn(f"{exc} Steps Lightning does not run are not checked.", stacklevel=4)
                 continue

@@ -20,10 +20,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.core.config import make_config
-from gradwatch.core.engine import Engine, _weak_method, failed_trial_loss
+from gradwatch.core.engine import Engine, failed_trial_loss
 from gradwatch.core.extensions import default_extensions
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.open_watchers import open_watchers, register
+from gradwatch.core.weak import weak_method
 from gradwatch.observe.distributed import is_rank_zero
 from gradwatch.report import internal_warning
 from gradwatch.report.summary import RunSummary
@@ -64,7 +65,7 @@ class Watcher:
         if not isinstance(model, nn.Module):
             raise TypeError(_bad_model(model, optimizer))
         given = _as_optimizers(optimizer)
-        optimizers = [_stepping(o) for o in given]
+        optimizers = [applying_optimizer(o) for o in given]
         cfg = make_config(**config)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
@@ -111,7 +112,7 @@ class Watcher:
         if optimizers:
             # A process-wide hook: it holds the watcher weakly, and is removed when the watcher is closed or
             # collected (a watcher never closed must not keep its model alive through it).
-            handle = register_optimizer_step_pre_hook(_eager(_weak_method(self, "_any_step")))
+            handle = register_optimizer_step_pre_hook(_eager(weak_method(self, "_any_step")))
             self._handles.append(handle)
             weakref.finalize(self, handle.remove)
         try:
@@ -400,7 +401,7 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return disable(fn) if disable is not None else fn
 
 
-def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def applying_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose ``step()`` applies the update, where a wrapper's own ``step()`` may not run:
     SAM-style optimizers (``first_step``/``second_step`` around ``base_optimizer.step()``), Lightning Fabric's
     optimizer wrapper, and wrappers

@@ -40,7 +40,8 @@ class StepStats:
         not_in_optimizer: Trainable model parameters no watched optimizer updates.
         params_changed: The model's or optimizer's parameter set changed since the previous check.
         foreign: Parameters the optimizer holds that the model does not own.
-        extra: Values that extensions add (AMP scale, clip ratio, rank flags, ...).
+        extra: Values that the engine, extensions and checks add (AMP scale, clip ratio, rank flags, ...):
+            every key is declared in :data:`StepExtra`.
     """
 
     step: int
@@ -61,7 +62,7 @@ class StepStats:
     params_changed: bool = False
     foreign: tuple[str, ...] = ()
     first_check: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: StepExtra = field(default_factory=dict)  # type: ignore[assignment]
 
     @property
     def has_grads(self) -> bool:
@@ -94,6 +95,78 @@ class ZeroGradFacts(TypedDict, total=False):
     sentinel_cleared: bool  # the second, hook-less parameter's gradient was set to None or replaced
     kept_params: tuple[str, ...]  # after a partial zero_grad(): the parameters that accumulated
     cleared_params: tuple[str, ...]  # ... and those that were cleared
+
+
+#: ``stats.extra``: what the engine, the extensions and the checks add to a step's statistics (a plain dict at
+#: run time). Every key set or read anywhere in gradwatch is declared here (``tests/test_step_extra.py`` scans
+#: the source); keys with a ``/`` are notes a check leaves for its own ``remember``.
+StepExtra = TypedDict(
+    "StepExtra",
+    {
+        # -- the engine (core/engine.py, core/loss_ledger.py, core/explain.py) --
+        "params": "list[torch.Tensor]",  # the parameters holding a gradient, aligned with ``names``
+        "lookup_layers": "frozenset[str]",  # embedding-like modules (rows read by lookup): never vanishing
+        "optimizer": "torch.optim.Optimizer | None",  # the optimizer of this step (None: optimizer-less use)
+        "unregistered": "list[tuple[str, str]]",  # (name, how) of trainable tensors the model never registered
+        "member_of": Any,  # ParamIndex.member_of: the ModuleList/ModuleDict element of a parameter (none_grad)
+        "grad_dropped": "frozenset[str]",  # parameters the graph reached whose gradient the code set to None
+        "several_optimizers": bool,  # more than one watched optimizer
+        "cleared_between_backwards": bool,  # zero_grad() ran between two backward passes of this step
+        "backward_passes": "tuple[int, int]",  # (backward passes of this step, those that found grads cleared)
+        "stale_unused": int,  # of ``stale_losses``, the last ones never backpropagated (left out by the loop)
+        "stale_losses": "list[float]",  # losses of batches whose gradients no update took, read with this step
+        "raised": str,  # the exception class when the incident comes from an exception, not a check
+        "anomaly_nan": bool,  # anomaly mode stopped backward on a loss already NaN/Inf (replayable)
+        # -- observers (observe/) --
+        "zero_grad": ZeroGradFacts,  # the zero-grad tracker's facts of this step
+        "zero_grad_missing": bool,  # gradients accumulated across steps: zero_grad() was not called
+        "grads_cleared_before_step": bool,  # the gradients were cleared between backward and step
+        "scaler_dropped": "tuple[int, int]",  # (first step, hidden overflows): a GradScaler dropped steps
+        "amp": "dict[str, Any]",  # a GradScaler's overflow streak (steps, first step, scales, consecutive)
+        "grad_scale": float,  # the GradScaler's scale at this step
+        "amp_overflow_step": bool,  # this step is a GradScaler overflow (dropped by the scaler)
+        "amp_dropped_here": bool,  # the scaler dropped this step on this rank
+        "clipping": "dict[str, Any]",  # how the run clips: {"lightning", "how", "clip_val", ...}
+        "clip_ratio": float,  # clipped over unclipped total norm of this step
+        "param_norms": "dict[str, float]",  # weight norm per layer (measured on some steps)
+        "update_ratio": "dict[str, float]",  # update-to-weight norm ratio per layer
+        "update_ratio_total": float,  # the ratio over the whole model
+        "update_ratio_total/weights": float,  # the whole model's weight norm behind ``update_ratio_total``
+        "update_nonfinite": bool,  # a float16 update rounds to NaN/Inf (the optimizer's eps underflows)
+        "update_nonfinite_eps": float,  # that eps
+        "scalars": "dict[str, float]",  # more TensorBoard scalars of this step, by tag
+        "ddp": bool,  # the model is wrapped in DistributedDataParallel
+        "unused_expected": bool,  # DDP's find_unused_parameters: parameters without gradient are expected
+        "sharded": bool,  # gradients are this rank's shards (FSDP): element counts are local
+        "nonfinite_ranks": "list[int]",  # the ranks whose step is non-finite
+        "any_rank_nonfinite": bool,  # another rank's step is non-finite
+        "rank_reports": "list[dict[str, Any]]",  # what each rank saw at the incident (rank zero's report)
+        # -- diagnosis (diagnose/escalation.py) --
+        "loss_dtype": str,  # "float16" when the loss itself is half precision
+        "reentrant_cut": Any,  # Escalation.reentrant_cut: reentrant checkpoints that cut the graph
+        "step_inputs": "tuple[int, bool, frozenset[int]]",  # (model inputs, input requires grad, batch sizes)
+        # -- checks' notes (checks/) --
+        "none_grad_report": "tuple[Any, Any]",  # none_grad: (fresh, waiting) parameters, for remember
+        "grads_span_other_step": bool,  # zero_grad: the gradients hold passes from before another step
+        "accumulation_remainder": Any,  # accumulation_remainder: the window state, for remember
+        "foreign_params/shown": bool,  # not_in_optimizer: foreign parameters reported (once per optimizer)
+        "weight_decay_too_large/settings": "list[tuple[object, object]]",  # weight_decay: each group's (lr, wd)
+        "loss_spike/record": float,  # loss_spike: the size of the spike reported
+        "loss_spike/pending": str,  # loss_spike: "new" or "reported"
+        "exploding/applied": "dict[str, Any]",  # exploding: the exploding update applied (step, factor, lr)
+        "exploding/param_norms": Any,  # exploding: the latest weight-norm measurement
+        "exploding/want_param_norms": bool,  # exploding: measure the weights at the next step
+        "exploding/pending": str,  # exploding: "new" or "reported"
+        "exploding_grad/record": float,  # exploding: the excess reported
+    },
+    total=False,
+)
+
+#: ``stats.extra`` keys made per optimizer index (``template.format(i)``): notes a TypedDict cannot name.
+STEP_EXTRA_TEMPLATES: tuple[str, ...] = (
+    "lr_too_high/{}",  # early_update: reported for optimizer i (once)
+    "weight_decay_too_large/{}",  # weight_decay: reported for optimizer i (once)
+)
 
 
 class SyncBatch:

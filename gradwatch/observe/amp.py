@@ -332,7 +332,7 @@ class AmpMonitor:
             ),
             data={"loss": loss, "optimizer": optimizer, "dropped_by_scaler": True},
         )
-        more = engine._incident(at, [finding]) if localize else []
+        more = engine.incident(at, [finding]) if localize else []
         for f in [finding, *more]:
             engine.add_finding(f)
 
@@ -510,7 +510,7 @@ class AmpMonitor:
         if hidden:
             engine.step_counts[0] += hidden
             # Losses observed after the last checked step belong to these dropped steps (one read, at close).
-            losses = [float(l.detach().float().mean()) for l in engine._losses]
+            losses = [float(l.detach().float().mean()) for l in engine.ledger.losses]
             bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
             self._grow_streak(first, hidden, before=scale / scaler_backoff(scaler) ** hidden, after=scale,
                               loss_nonfinite=bad is not None)

@@ -216,7 +216,7 @@ class BackwardNorms:
         if not grads:
             return
         batch = SyncBatch()
-        self.engine._fill(ctx.stats, batch, queue_grad_norms(batch, grads), -1, grads)
+        self.engine.fill(ctx.stats, batch, queue_grad_norms(batch, grads), -1, grads)
 
     def close(self) -> None:
         for h in self._handles.values():

@@ -111,13 +111,12 @@ def saved_graph(ctx: Context, err: InplaceError) -> SavedGraph:
 
 def watched_elsewhere(ctx: Context, consumer: Any, err: InplaceError) -> bool:
     """The changed tensor is a parameter of another open watcher's model (as ``modified_param`` finds it)."""
-    key = (id(ctx.exc), str(ctx.exc))
     # Open watchers, and closed ones that explained this very exception (an inner `with` block exits first).
     others = [
         w.engine.index.param_name
         for w in open_watchers()
         if w.engine is not ctx.engine
-        and (not w.closed or (w.engine._explained is not None and w.engine._explained[0] == key))
+        and (not w.closed or w.engine.has_explained(ctx.exc))
     ]
     return bool(others) and any(
         any(id(var) in names for names in others) for _node, var in changed_leaves(consumer, err.shape, err.now)

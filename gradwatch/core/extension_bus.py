@@ -1,0 +1,96 @@
+"""The extension bus: how the engine calls its extensions, and how they find each other.
+
+Extensions (zero-grad tracking, escalation, AMP, distributed agreement) define any of the optional methods
+of :class:`Extension`; the bus calls those that exist, in the order the extensions were added. A failing
+extension is reported once and the step goes on without it; a :class:`GradWatchError` goes through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+from gradwatch.core.findings import Finding, GradWatchError
+from gradwatch.core.stats import StepStats
+from gradwatch.report import internal_warning
+
+_E = TypeVar("_E")
+
+
+class Extension(Protocol):
+    """Optional methods an extension may define; the engine calls those that exist.
+
+    - ``attach(engine)``: once, when added.
+    - ``before_sync(ctx)``: queue device values into ``ctx.batch`` (no sync allowed).
+    - ``after_sync(ctx)``: read them back (``ctx.batch.resolve()``) and fill ``ctx.stats.extra``.
+    - ``on_incident(stats, findings) -> list[Finding]``: the step is non-finite; localize it before the
+      update (may replay the step) and return extra findings. A returned finding with ``data["restates"]``
+      (a kind) takes the place of the step's finding of that kind: its cause restated in the light of the
+      origin found (``nonfinite_loss`` deferring to ``nan_origin``).
+    - ``after_step(stats, decision)``: the decision is taken.
+    - ``close()``: detach everything.
+    """
+
+
+class ExtensionBus:
+    """The extensions of one engine.
+
+    Args:
+        owner: The engine: what ``attach`` receives, and whose internal failures these are.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.items: list[Any] = []
+
+    def add(self, ext: Any) -> Any:
+        """Attach ``ext``; one that cannot attach is reported, closed and left out."""
+        self.items.append(ext)
+        attach = getattr(ext, "attach", None)
+        if attach is None:
+            return ext
+        try:
+            attach(self.owner)
+        except GradWatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an extension that cannot attach is left out
+            self.items.remove(ext)
+            internal_warning(f"{type(ext).__name__}.attach", exc, owner=self.owner, key=type(ext).__name__)
+            close = getattr(ext, "close", None)
+            if close is not None:
+                try:
+                    close()  # remove whatever it attached before failing
+                except Exception:  # noqa: BLE001, S110
+                    pass
+        return ext
+
+    def find(self, cls: type[_E]) -> _E | None:
+        """The attached extension of type ``cls`` (or a subclass), or None."""
+        return next((e for e in self.items if isinstance(e, cls)), None)
+
+    def call(self, method: str, *args: Any) -> None:
+        """``method(*args)`` on every extension that defines it."""
+        for ext in self.items:
+            fn = getattr(ext, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except GradWatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"{type(ext).__name__}.{method}", exc, owner=self.owner, key=type(ext).__name__)
+
+    def on_incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
+        """Every extension's ``on_incident`` findings, each seeing those found before it."""
+        extra: list[Finding] = []
+        for ext in self.items:
+            fn = getattr(ext, "on_incident", None)
+            if fn is None:
+                continue
+            try:
+                extra.extend(fn(stats, findings + extra) or [])
+            except GradWatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                internal_warning(f"{type(ext).__name__}.on_incident", exc, owner=self.owner, key=type(ext).__name__)
+        return extra

@@ -1,0 +1,79 @@
+"""The TensorBoard scalars of a checked step, and the bounded sample of norms behind the run summary."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gradwatch.core.stats import StepStats
+
+#: Norms kept for the summary's median before every other one is dropped.
+SAMPLE_SIZE = 4096
+
+
+class StepScalars:
+    """This run's scalars per checked step. Per-layer norms every ``layer_every`` checked steps of each
+    optimizer (and at a step with findings), counters when they change: fewer events, same charts.
+
+    Args:
+        layer_every: Per-layer norms every this many checked steps.
+        several_optimizers: Tags carry the optimizer (``_opt1``): a GAN's two losses are two series.
+    """
+
+    def __init__(self, layer_every: int, several_optimizers: bool) -> None:
+        self.layer_every = layer_every
+        self.several_optimizers = several_optimizers
+        self._layer_tags: dict[str, str] = {}
+        self._last_counters: dict[str, float] = {}
+        self._scalar_steps: dict[int, int] = {}
+
+    def of(
+        self, stats: StepStats, steps_skipped: int, kind_counts: Mapping[str, int], *, every_value: bool = False
+    ) -> dict[str, float]:
+        """The scalars of ``stats``; ``every_value`` (a step with findings) writes every one."""
+        suffix = f"_opt{stats.optimizer_index}" if self.several_optimizers else ""
+        out: dict[str, float] = {}
+        if stats.names:
+            out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
+        seen = self._scalar_steps[stats.optimizer_index] = self._scalar_steps.get(stats.optimizer_index, 0) + 1
+        full = every_value or (seen - 1) % self.layer_every == 0  # each optimizer its own cadence
+        if full:
+            self._layers(stats, out)
+        if stats.loss is not None:
+            out[f"gradwatch/loss{suffix}"] = stats.loss  # a GAN's two losses: two series
+        counters = {"gradwatch/skipped_steps": float(steps_skipped),
+                    "gradwatch/nonfinite_grads": float(len(stats.nonfinite))}
+        for kind, n in kind_counts.items():
+            counters["gradwatch/findings/" + kind] = float(n)
+        last = self._last_counters
+        for tag, v in counters.items():
+            if full or last.get(tag) != v:
+                out[tag] = last[tag] = v
+        more = stats.extra.get("scalars")
+        if isinstance(more, dict):
+            out.update(more)
+        return out
+
+    def _layers(self, stats: StepStats, out: dict[str, float]) -> None:
+        tags = self._layer_tags
+        for layer, v in stats.layer_norms.items():
+            tag = tags.get(layer)
+            if tag is None:
+                tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
+            out[tag] = v
+
+
+class NormSample:
+    """A bounded sample of the run's total gradient norms: every k-th value, k doubling when full."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, v: float) -> None:
+        self._seen += 1
+        if (self._seen - 1) % self._stride == 0:
+            self.values.append(v)
+            if len(self.values) >= SAMPLE_SIZE:
+                self.values = self.values[::2]
+                self._stride *= 2

@@ -1,0 +1,96 @@
+"""The engine's parts alone: weak callbacks, the loss ledger, the update guard, the parameter tracker."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+from gradwatch.core.loss_ledger import LossLedger
+from gradwatch.core.param_tracker import ParamTracker
+from gradwatch.core.params import ParamIndex
+from gradwatch.core.stats import StepStats, SyncBatch
+from gradwatch.core.update_guard import UpdateGuard
+from gradwatch.core.weak import weak_method
+
+
+class _Target:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def hit(self, n: int) -> int:
+        self.calls.append(n)
+        return n * 2
+
+
+def test_weak_method_calls_while_the_target_lives_and_does_not_keep_it_alive() -> None:
+    target = _Target()
+    call = weak_method(target, "hit")
+    assert call(3) == 6 and target.calls == [3]
+    del target
+    gc.collect()
+    assert call(4) is None  # the target is gone: nothing is called, nothing raised
+
+
+def test_the_ledger_reads_the_losses_a_backward_reached_and_sets_the_others_aside() -> None:
+    w = nn.Parameter(torch.ones(2))
+    ledger = LossLedger([])
+    used = (w * 2).sum()
+    left_out = (w * float("nan")).sum()  # a batch the loop skipped before backward()
+    ledger.observe(used)
+    ledger.observe(left_out)
+    used.backward()
+    ledger.backward_reached()
+    stats = StepStats(step=0)
+    ledger.take_backward_passes(stats)
+    batch = SyncBatch()
+    loss_slot, stale_slot = ledger.queue(batch, [w.grad], stats)
+    values = batch.resolve()
+    assert values[loss_slot] == [4.0]  # the NaN of the batch never backpropagated is not this update's
+    assert len(values[stale_slot]) == 1 and values[stale_slot][0] != values[stale_slot][0]
+    assert stats.extra["stale_unused"] == 1
+    assert stats.extra["backward_passes"] == (1, 0)
+    assert ledger.losses == [] and ledger.stale == []
+
+
+def test_the_ledger_counts_backward_passes_that_found_the_gradients_cleared() -> None:
+    ledger = LossLedger([])
+    for _ in range(3):  # zero_grad() inside an accumulation loop: every pass but the first found them cleared
+        ledger.backward_reached()
+        ledger.gradients_cleared()
+    stats = StepStats(step=0)
+    ledger.take_backward_passes(stats)
+    assert stats.extra["backward_passes"] == (3, 3)
+    assert stats.extra["cleared_between_backwards"] is True
+    assert (ledger.backwards, ledger.cleared_backwards, ledger.cleared_between_backwards) == (0, 0, False)
+
+
+def test_the_update_guard_makes_a_momentum_step_a_no_op_and_restores_grads_and_state() -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # momentum buffers exist now
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    guard = UpdateGuard(ParamIndex(model, [opt]))
+    guard.suppress(0)
+    opt.step()
+    guard.restore()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in zip(model.parameters(), buffers))
+
+
+def test_the_tracker_rebuilds_the_index_when_a_param_group_is_added() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    index = ParamIndex(model, [opt])
+    tracker = ParamTracker(index, [opt], owner=None)
+    assert tracker.refresh() is False
+    assert len(index.per_optimizer[0].params) == 2
+    opt.add_param_group({"params": list(model[1].parameters())})
+    assert tracker.refresh() is True
+    assert len(index.per_optimizer[0].params) == 4
+    assert tracker.refresh() is False
