@@ -414,7 +414,7 @@ class Engine:
         stats.extra["raised"] = type(exc).__name__
         stats.extra["anomaly_nan"] = True  # a numerical error, raised with the Trainer intact: replayable
         self.drop_losses()
-        found = [f for f in self._incident(stats, [anomaly]) if f.kind in ("nan_origin", "nonfinite_input")]
+        found = [f for f in self.incident(stats, [anomaly]) if f.kind in ("nan_origin", "nonfinite_input")]
         if not any(f.kind == "nonfinite_input" or f.data.get("op") or f.data.get("source") for f in found):
             return [anomaly, *found]
         note = (
