@@ -8,14 +8,14 @@ from typing import Any
 
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.stats import StepStats
-from gradwatch.observe.distributed import (
-    _origin_summary,
-    _relayed_finding,
-    flagged_ranks,
+from gradwatch.observe.distributed import flagged_ranks
+from gradwatch.observe.rank_findings import (
+    origin_summary,
     origin_to_relay,
     other_rank_dropped_finding,
     other_rank_finding,
     other_rank_input_finding,
+    relayed_finding,
 )
 
 REPORTS: list[dict[str, Any]] = [
@@ -46,9 +46,9 @@ def test_a_relayed_origin_keeps_the_other_ranks_words_in_parts() -> None:
     words = Explanation("NaN born in log at model.py:3.", why="it spreads.", fix="add an epsilon.")
     theirs = Finding(kind="nan_origin", step=5, severity="error", explanation=words, op="LogBackward0",
                      data={"phase": "forward", "op": "LogBackward0", "module": "head"})
-    summary = _origin_summary(1, theirs, None)
+    summary = origin_summary(1, theirs, None)
     assert summary is not None
-    relayed = _relayed_finding(StepStats(step=5), summary, rank=0)
+    relayed = relayed_finding(StepStats(step=5), summary, rank=0)
     prefix = "On rank 1 (rank 0, reporting, got it through the gradient all-reduce): "
     assert relayed.message == prefix + theirs.message
     assert relayed.fix == "add an epsilon."
@@ -56,7 +56,7 @@ def test_a_relayed_origin_keeps_the_other_ranks_words_in_parts() -> None:
 
 
 def test_a_relayed_finding_from_a_message_alone_keeps_the_message() -> None:
-    relayed = _relayed_finding(StepStats(step=5), {"rank": 1, "message": "Loss is NaN.", "loss_only": True}, rank=0)
+    relayed = relayed_finding(StepStats(step=5), {"rank": 1, "message": "Loss is NaN.", "loss_only": True}, rank=0)
     assert (relayed.kind, relayed.message) == ("nonfinite_loss", "On rank 1: Loss is NaN.")
 
 
