@@ -12,10 +12,10 @@ Example:
 """
 
 from gradwatch.core.config import Config
+from gradwatch.core.failures import GradWatchInternalWarning
 from gradwatch.core.findings import Explanation, Finding, GradWatchError
 from gradwatch.core.kinds import KINDS, Kind
 from gradwatch.gradcheck import GradcheckResult, gradcheck
-from gradwatch.report import GradWatchInternalWarning
 from gradwatch.report.summary import RunSummary
 from gradwatch.version import __version__
 from gradwatch.watch import Watcher, watch

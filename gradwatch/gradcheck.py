@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.function import Function
 from torch.utils._pytree import tree_map
 
-from gradwatch.core.findings import Explanation, Finding, _panel
+from gradwatch.core.findings import Explanation, Finding, panel
 from gradwatch.diagnose.localize import ROOT, code_at, source_text
 from gradwatch.observe.tracing import library_frame
 
@@ -157,7 +157,7 @@ class GradcheckResult:
         from rich.console import Group
         from rich.text import Text
 
-        parts: list[Any] = [_panel(f, []) for f in self.findings]
+        parts: list[Any] = [panel(f, []) for f in self.findings]
         parts.append(Text(self._tally(), style="bold"))
         parts += [Text(f"  skipped {s.function}: {s.reason}", style="dim") for s in self.skipped]
         return Group(*parts)
@@ -241,18 +241,15 @@ def _eager(model: nn.Module) -> nn.Module:
 
 def _capture(model: nn.Module, batches: list[tuple[Any, Any, Any]], loss_fn: Any) -> list[FunctionCall]:
     """Run the forward (and ``loss_fn``) on each batch; return the first call of each custom Function site."""
-    from gradwatch.diagnose.replay import checkpoint_not_reentrant as _checkpoint_not_reentrant
-    from gradwatch.diagnose.replay import preserved as _preserved
-    from gradwatch.diagnose.replay import replay_input as _replay_input
-    from gradwatch.diagnose.replay import set_rng_state as _set_rng_state
+    from gradwatch.diagnose.replay import checkpoint_not_reentrant, preserved, replay_input, set_rng_state
 
     found: dict[tuple[Any, ...], FunctionCall] = {}
-    with _preserved(model), _checkpoint_not_reentrant(), _module_stack(model) as stack, _recording(
+    with preserved(model), checkpoint_not_reentrant(), _module_stack(model) as stack, _recording(
         found, stack
     ), torch.enable_grad():
         for args, kwargs, rng in batches:
-            args, kwargs = tree_map(_replay_input, (tuple(args), dict(kwargs)))
-            _set_rng_state(rng)
+            args, kwargs = tree_map(replay_input, (tuple(args), dict(kwargs)))
+            set_rng_state(rng)
             output = model(*args, **kwargs)
             if loss_fn is not None:
                 stack.append(None)  # the loss code runs outside every module

@@ -40,8 +40,8 @@ import torch
 from gradwatch.core.config import Config, OnNonfinite, make_config
 from gradwatch.core.engine import Engine, failed_trial_loss
 from gradwatch.core.extensions import default_extensions
+from gradwatch.core.failures import internal_warning, safe_warn
 from gradwatch.core.findings import Explanation, Finding
-from gradwatch.report import internal_warning, safe_warn
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.watch import applying_optimizer
 

@@ -22,11 +22,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradwatch.core.config import make_config
 from gradwatch.core.engine import Engine, failed_trial_loss
 from gradwatch.core.extensions import default_extensions
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.open_watchers import open_watchers, register
 from gradwatch.core.weak import weak_method
 from gradwatch.observe.distributed import is_rank_zero
-from gradwatch.report import internal_warning
 from gradwatch.report.summary import RunSummary
 
 if TYPE_CHECKING:

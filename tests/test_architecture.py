@@ -32,75 +32,7 @@ def _load_metrics() -> Any:
 shape = _load_metrics()
 
 #: Today's breaks, each with why it is still there. Remove an entry when its break is gone.
-KNOWN: dict[str, str] = {
-    # private names imported from another module
-    "private: gradwatch.checks.early_update <- gradwatch.checks.exploding._init_scale": (
-        "the warm-up scale is shared by two checks; it becomes a public helper of checks/"
-    ),
-    "private: gradwatch.diagnose.autograd_errors <- gradwatch.diagnose.escalation._GENERIC_FIX": (
-        "the generic fix moves into the nan-origin wording table when escalation.py is split"
-    ),
-    "private: gradwatch.diagnose.escalation <- gradwatch.observe.tracing._is_compiled": (
-        "escalation.py is being split; the compiled-model test becomes public in observe/tracing.py"
-    ),
-    "private: gradwatch.diagnose.localize <- gradwatch.core.params._module_wrappers": (
-        "localize.py is being split; the wrapper list becomes public in core/params.py"
-    ),
-    "private: gradwatch.gradcheck <- gradwatch.core.findings._panel": (
-        "gradcheck.py still imports the old name; core/findings.py has it public as `panel`"
-    ),
-    "private: gradwatch.gradcheck <- gradwatch.diagnose.escalation._checkpoint_not_reentrant": (
-        "the replay helpers become a public module of diagnose/ when escalation.py is split"
-    ),
-    "private: gradwatch.gradcheck <- gradwatch.diagnose.escalation._preserved": (
-        "the replay helpers become a public module of diagnose/ when escalation.py is split"
-    ),
-    "private: gradwatch.gradcheck <- gradwatch.diagnose.escalation._replay_input": (
-        "the replay helpers become a public module of diagnose/ when escalation.py is split"
-    ),
-    "private: gradwatch.gradcheck <- gradwatch.diagnose.escalation._set_rng_state": (
-        "the replay helpers become a public module of diagnose/ when escalation.py is split"
-    ),
-    "private: gradwatch.lightning <- gradwatch.watch._stepping": (
-        "the stepping guard moves into the engine's update guard when engine.py is split"
-    ),
-    "private: gradwatch.watch <- gradwatch.core.engine._weak_method": (
-        "engine.py is being split; the weak-method helper becomes public there"
-    ),
-    # extensions that find another extension by probing its attributes
-    "hasattr: gradwatch.lightning: hasattr(e, '_replaying')": (
-        "to be found by type through Engine.extension(Escalation)"
-    ),
-    "hasattr: gradwatch.observe.amp: hasattr(e, '_nonfinite_inputs')": (
-        "to be found by type through Engine.extension(Escalation)"
-    ),
-    # modules over MAX_MODULE_LINES
-    "module lines: gradwatch.core.engine": "Engine is being split along its jobs",
-    "module lines: gradwatch.diagnose.autograd_errors": "the explainers are being split, one module per family",
-    "module lines: gradwatch.diagnose.escalation": "Escalation is being split (window, capture, replay, facts)",
-    # functions over MAX_FUNCTION_LINES
-    "function lines: gradwatch.checks.exploding:_finding": "facts apart from words: a facts function and a table",
-    "function lines: gradwatch.checks.nonfinite:check": "facts apart from words: a facts function and a table",
-    "function lines: gradwatch.diagnose.autograd_errors:_backward_twice": (
-        "the backward-twice causes become rows of a table when the explainers are split"
-    ),
-    # observe/ and checks/ importing report/
-    "layering: gradwatch.observe.amp imports gradwatch.report": (
-        "internal_warning and safe_warn (failure isolation) move from report/__init__.py into core/"
-    ),
-    "layering: gradwatch.observe.distributed imports gradwatch.report": (
-        "internal_warning and safe_warn (failure isolation) move from report/__init__.py into core/"
-    ),
-    "layering: gradwatch.observe.preclip imports gradwatch.report": (
-        "internal_warning and safe_warn (failure isolation) move from report/__init__.py into core/"
-    ),
-    "layering: gradwatch.observe.tracing imports gradwatch.report": (
-        "internal_warning and safe_warn (failure isolation) move from report/__init__.py into core/"
-    ),
-    "layering: gradwatch.observe.zero_grad imports gradwatch.report": (
-        "internal_warning and safe_warn (failure isolation) move from report/__init__.py into core/"
-    ),
-}
+KNOWN: dict[str, str] = {}
 
 
 # -- what breaks each rule -------------------------------------------------------------------------------

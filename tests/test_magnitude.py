@@ -391,7 +391,7 @@ def test_same_depth_with_relu_is_not_vanishing() -> None:
 
 
 # A parameter frozen mid-run was once picked for a gradient hook (internal error, reported and skipped).
-@pytest.mark.filterwarnings("error::gradwatch.report.GradWatchInternalWarning")
+@pytest.mark.filterwarnings("error::gradwatch.GradWatchInternalWarning")
 def test_layer_frozen_mid_run_with_stale_zero_grads_is_not_dead() -> None:
     torch.manual_seed(0)
     model = mlp()

@@ -255,7 +255,7 @@ def test_forgotten_unfreeze_is_explained_when_backward_fails() -> None:
 
 # https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740
 # A parameter frozen mid-run was once picked for a gradient hook (internal error, reported and skipped).
-@pytest.mark.filterwarnings("error::gradwatch.report.GradWatchInternalWarning")
+@pytest.mark.filterwarnings("error::gradwatch.GradWatchInternalWarning")
 @pytest.mark.parametrize(
     "optimizer,set_to_none,expected",
     [("adam", False, True), ("adamw_lr", False, True), ("adam", True, False), ("sgd", False, False)],

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.params import ParamIndex
 from gradwatch.core.policy import error_text
 from gradwatch.core.stats import SyncBatch, count_nonfinite, queue_grad_norms, read_grad_norms
-from gradwatch.report import internal_warning
 
 if TYPE_CHECKING:
     from gradwatch.core.engine import Engine

@@ -27,6 +27,7 @@ from gradwatch.core.closure_guard import ClosureGuard, failed_trial_loss
 from gradwatch.core.config import Config
 from gradwatch.core.explain import exception_findings
 from gradwatch.core.extension_bus import Extension, ExtensionBus
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.history import History
 from gradwatch.core.loss_ledger import LossLedger
@@ -38,7 +39,6 @@ from gradwatch.core.stats import StepStats, SyncBatch, queue_all_norms, queue_gr
 from gradwatch.core.step_pipeline import Gathered, StepContext, fill, fold_restated, gather, run_checks
 from gradwatch.core.update_guard import UpdateGuard
 from gradwatch.observe.preclip import BackwardNorms
-from gradwatch.report import internal_warning
 from gradwatch.report.build import build_reporters
 from gradwatch.report.jsonl import new_run_id
 from gradwatch.report.scalars import NormSample, StepScalars

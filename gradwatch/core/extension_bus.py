@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats
-from gradwatch.report import internal_warning
 
 _E = TypeVar("_E")
 

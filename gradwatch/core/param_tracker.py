@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.params import OptimizerParams, ParamIndex
 from gradwatch.core.stats import StepStats
 from gradwatch.core.weak import weak_method
 from gradwatch.diagnose.escalation import Escalation
-from gradwatch.report import internal_warning
 
 #: How the engine finds an attached extension by type (``Engine.extension``).
 FindExtension = Callable[[type[Escalation]], "Escalation | None"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
-from gradwatch.report import internal_warning
 from gradwatch.report.jsonl import JsonlReporter
 from gradwatch.report.summary import RunSummary
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradwatch.core.config import Config
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
 from gradwatch.core.history import History
 from gradwatch.core.params import OptimizerParams
 from gradwatch.core.stats import StepStats, SyncBatch, count_nonfinite, layer_norms, read_grad_norms, total_norm
-from gradwatch.report import internal_warning
 
 if TYPE_CHECKING:
     from gradwatch.core.engine import Engine

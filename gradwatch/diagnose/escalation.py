@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
 from gradwatch.core.params import user_module
 from gradwatch.diagnose import bad_values, graph_walk
@@ -114,7 +115,6 @@ from gradwatch.diagnose.replayer import Replayer
 from gradwatch.diagnose.step_capture import StepCapture
 from gradwatch.diagnose.window import EscalationWindow
 from gradwatch.observe.tracing import is_compiled
-from gradwatch.report import internal_warning
 
 
 @dataclasses.dataclass

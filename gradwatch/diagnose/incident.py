@@ -12,12 +12,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
 from gradwatch.diagnose.capture import Batch, Call
 from gradwatch.diagnose.localize import ROOT
 from gradwatch.diagnose.op_fixes import fix_for
 from gradwatch.diagnose.replay import ReplayResult
-from gradwatch.report import internal_warning
 from gradwatch.report.incidents import incident_paths, write_incident
 
 #: Incident reports written per run at most (a run that stays non-finite would write one per step).

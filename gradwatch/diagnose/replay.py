@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from gradwatch.core.failures import host_rng_kept, internal_warning
 from gradwatch.diagnose.capture import MAX_GRADS, Batch, Call, all_finite, nonfinite_flags, output_leaves
 from gradwatch.diagnose.lightning_replay import lightning_guards, train_step_context
 from gradwatch.diagnose.localize import ROOT, Localization, Localizer, summarize
 from gradwatch.observe.tracing import is_compiled
-from gradwatch.report import host_rng_kept, internal_warning
 
 #: Localizing replays per incident at most (suspect micro-batches first).
 MAX_REPLAYS = 8
@@ -217,7 +217,7 @@ def autocast(state: tuple[tuple[str, torch.dtype], ...] | None) -> Iterator[None
 def reemit_own_warnings(caught: list[warnings.WarningMessage]) -> None:
     """The replay records warnings process-wide: gradwatch's own ones (e.g. from its TensorBoard writer
     thread, issued meanwhile) are passed on instead of being lost with the replay's anomaly-mode noise."""
-    from gradwatch.report import GradWatchInternalWarning, safe_warn_explicit
+    from gradwatch.core.failures import GradWatchInternalWarning, safe_warn_explicit
 
     for w in caught:
         if issubclass(w.category, GradWatchInternalWarning):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.diagnose.capture import Batch, Call
 from gradwatch.diagnose.graph_walk import loss_ops
 from gradwatch.diagnose.localize import Localization
@@ -33,7 +34,6 @@ from gradwatch.diagnose.replay import (
 )
 from gradwatch.diagnose.step_capture import StepCapture
 from gradwatch.diagnose.window import EscalationWindow
-from gradwatch.report import internal_warning
 
 
 class Replayer:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.params import fabric_redirect
 from gradwatch.diagnose.capture import MAX_CALLS, MAX_GRADS, Batch, Call, autocast_state, output_leaves, step_inputs
 from gradwatch.observe.module_hooks import owned
-from gradwatch.report import internal_warning
 
 if TYPE_CHECKING:
     from gradwatch.diagnose.window import EscalationWindow

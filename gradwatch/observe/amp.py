@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.stats import StepStats, layer_norms, total_norm
 from gradwatch.observe.tracing import library_frame, traceback_entries
-from gradwatch.report import internal_warning
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
 PERSISTENT_STEPS = 8

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from gradwatch.core.failures import internal_warning, safe_warn
 from gradwatch.core.findings import Finding
 from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
 from gradwatch.observe.module_hooks import owned
@@ -52,7 +53,6 @@ from gradwatch.observe.rank_findings import (
     own_origin,
     relayed_finding,
 )
-from gradwatch.report import internal_warning, safe_warn
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.stats import SyncBatch, layer_norms, queue_all_norms, queue_grad_norms, total_norm
-from gradwatch.report import internal_warning
 
 _VERSION = operator.attrgetter("_version")
 _BEFORE, _NOW, _SCALE = "preclip/before", "preclip/now", "preclip/scale"

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.params import user_module
 from gradwatch.observe.module_hooks import owned
-from gradwatch.report import internal_warning
 
 #: Direct children hooked at most (beyond this only the root is hooked).
 MAX_CHILDREN = 32

@@ -77,8 +77,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.stats import ZeroGradFacts
-from gradwatch.report import internal_warning
 
 #: ``stats.extra["zero_grad"]["state"]`` values.
 FRESH = "fresh"

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.core.config import Config
-from gradwatch.report import GradWatchInternalWarning, Reporters, safe_warn
+from gradwatch.core.failures import GradWatchInternalWarning, safe_warn
+from gradwatch.report import Reporters
 from gradwatch.report.console import ConsoleReporter
 from gradwatch.report.jsonl import JsonlReporter
 from gradwatch.report.tensorboard import TensorBoardReporter

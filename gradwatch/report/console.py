@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from gradwatch.core.failures import host_rng_kept
 from gradwatch.core.findings import INCIDENT_KINDS, Finding, display_order, incident_panel
-from gradwatch.report import host_rng_kept
 
 
 class ConsoleReporter:

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
-from gradwatch.report import dir_identity, internal_warning, recreate_log_dir
+from gradwatch.report import dir_identity, recreate_log_dir
 from gradwatch.report.dashboard import ChartSeries, DashboardWriter
 
 _STOP = object()
