@@ -62,7 +62,7 @@ REARM = 10
 
 _KEY = "exploding"
 #: The median total norm of the run's first ``MIN_HISTORY`` checked steps. In a converged run (see
-#: :func:`gradwatch.observe.magnitude.converged`; full-batch Adam oscillates around the minimum) a "spike" must
+#: :func:`gradwatch.core.trend.converged`; full-batch Adam oscillates around the minimum) a "spike" must
 #: also exceed that early level: a jump back towards it is the oscillation, not an explosion.
 _EARLY = EARLY_NORM
 #: The largest spike (log excess over the median) reported so far, per optimizer.

@@ -180,7 +180,7 @@ def none_grad_cause(f: NoneGradFacts) -> str:
 
 
 def _reentrant_cause(f: NoneGradFacts) -> str:
-    from gradwatch.diagnose.escalation import reentrant_cause
+    from gradwatch.diagnose.reentrant import reentrant_cause
 
     return reentrant_cause(f.cut)
 

@@ -1,6 +1,8 @@
-"""Core: the engine's step pipeline and the data every part shares.
+"""Core: the engine and the data every part shares.
 
-The engine (observe -> check -> act -> report, once per optimizer step), the fused step statistics, the
-configuration, findings and the table of their kinds, the parameter index, the history the checks look back on,
-and which extensions each way in attaches.
+``engine.py`` composes small parts, one job each: the parameter tracker, the loss ledger, the step pipeline
+(gather, the one device-to-host read, the checks), the extension bus, the pure policy (``decide``), the update
+and closure guards, the explanation of exceptions and the run state a checkpoint keeps. Beside them: step
+statistics, configuration, findings and their words, the table of kinds, the history and the pure decisions over
+it the checks share, and gradwatch's own failure isolation. See docs/architecture.md.
 """
