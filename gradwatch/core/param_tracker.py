@@ -154,7 +154,7 @@ class ParamTracker:
         esc = find(Escalation)
         if esc is None:
             return []
-        known = {id(p) for _, p in self.index.model_params} | self.index._held
+        known = {id(p) for _, p in self.index.model_params} | self.index.held_ids
         found = esc.unowned_params(known)
         before, self._forward_params = self._forward_params, [(weakref.ref(p), tuple(p.shape)) for p in found]
         if self.forward_scans < 2 or not before:

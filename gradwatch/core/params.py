@@ -125,36 +125,46 @@ class ParamIndex:
         self.module_name: dict[int, str] = {}
         self.model_params: list[tuple[str, torch.Tensor]] = []
         if self.model is not None:
-            wrappers = module_wrappers(self.model)
-            lookups = []
-            for mname, module in self.model.named_modules(remove_duplicate=False):
-                self.module_name.setdefault(id(module), user_path(mname, wrappers))
-                if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-                    lookups.append(user_path(mname, wrappers) or "<root>")
-            self.lookup_layers = frozenset(lookups)
-            for mname, module in self.model.named_modules():
-                mname = user_path(mname, wrappers)
-                for pname, p in module.named_parameters(recurse=False):
-                    if id(p) in self.param_name:
-                        continue
-                    qual = f"{mname}.{pname}" if mname else pname
-                    self.param_name[id(p)] = qual
-                    self.param_module[id(p)] = _owner(mname)
-                    self.model_params.append((qual, p))
+            self._index_model(self.model)
         self.per_optimizer = [self._optimizer_params(i, o) for i, o in enumerate(self.optimizers)]
         if not self.optimizers:
-            # Hand-written updates: every trainable parameter of the model is "the optimizer's".
-            trainable = [(n, p) for n, p in self.model_params if p.requires_grad]
-            self.per_optimizer = [
-                OptimizerParams(
-                    0,
-                    None,
-                    [p for _, p in trainable],
-                    [n for n, _ in trainable],
-                    [self.param_module[id(p)] for _, p in trainable],
-                )
-            ]
-        self._held = held = {id(p) for op in self.per_optimizer for p in op.params}
+            self.per_optimizer = [self._hand_written_updates()]
+        self.held_ids = held = {id(p) for op in self.per_optimizer for p in op.params}
+        self._index_holdings(held)
+        # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
+        # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
+        self._alive = [p for _, p in self.model_params]
+        self._members: dict[str, tuple[str, str]] | None = None
+
+    def _index_model(self, model: nn.Module) -> None:
+        """Names of the model's modules and parameters (as the user wrote them: wrappers dropped), and its
+        lookup-table layers."""
+        wrappers = module_wrappers(model)
+        lookups = []
+        for mname, module in model.named_modules(remove_duplicate=False):
+            self.module_name.setdefault(id(module), user_path(mname, wrappers))
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                lookups.append(user_path(mname, wrappers) or "<root>")
+        self.lookup_layers = frozenset(lookups)
+        for mname, module in model.named_modules():
+            mname = user_path(mname, wrappers)
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in self.param_name:
+                    continue
+                qual = f"{mname}.{pname}" if mname else pname
+                self.param_name[id(p)] = qual
+                self.param_module[id(p)] = _owner(mname)
+                self.model_params.append((qual, p))
+
+    def _hand_written_updates(self) -> OptimizerParams:
+        """Without an optimizer (hand-written updates): every trainable parameter of the model is "the optimizer's"."""
+        trainable = [(n, p) for n, p in self.model_params if p.requires_grad]
+        return OptimizerParams(
+            0, None, [p for _, p in trainable], [n for n, _ in trainable], [self.param_module[id(p)] for _, p in trainable]
+        )
+
+    def _index_holdings(self, held: set[int]) -> None:
+        """What the optimizers hold and what they miss, from the ids of the tensors they hold."""
         # Kept for the optimizers' tensors only (at most as many as they hold).
         self.former_name = {k: v for k, v in self.former_name.items() if k in held}
         for n, p in self.model_params:
@@ -172,10 +182,6 @@ class ParamIndex:
         self.unheld_trainable = len(self.not_in_optimizer)
         #: Whether the model has any trainable parameter (else its optimizers train inputs: style transfer).
         self.model_trainable = any(p.requires_grad and not p.is_meta for _, p in self.model_params)
-        # Keep the parameter objects alive only as long as the model/optimizer do: ids above are only
-        # looked up for tensors we also hold strongly here, so an id cannot be reused while indexed.
-        self._alive = [p for _, p in self.model_params]
-        self._members: dict[str, tuple[str, str]] | None = None
 
     def _optimizer_params(self, index: int, optimizer: torch.optim.Optimizer) -> OptimizerParams:
         params: list[torch.Tensor] = []
@@ -236,7 +242,7 @@ class ParamIndex:
         if self.model is None:
             return []
         known = set(self.param_name)
-        held = self._held
+        held = self.held_ids
         wrappers = module_wrappers(self.model)
         out: list[tuple[str, torch.Tensor, str]] = []
         seen: set[int] = set()
