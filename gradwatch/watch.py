@@ -326,13 +326,13 @@ def _paused(engine: Engine, esc: Any) -> Iterator[None]:
     replaying = engine.replaying if hasattr(engine, "replaying") else False
     engine.replaying = True
     if esc is not None:
-        esc._replaying = True
+        esc.replaying = True
     try:
         yield
     finally:
         engine.replaying = replaying
         if esc is not None:
-            esc._replaying = False
+            esc.replaying = False
 
 
 def watch(

@@ -179,12 +179,8 @@ class Escalation:
         """Whether a localization replay (or ``Watcher.gradcheck``'s forward) is running: it must update nothing."""
         return self.capture.replaying
 
-    @property
-    def _replaying(self) -> bool:  # the older name, set by ``Watcher.gradcheck`` around its forwards
-        return self.capture.replaying
-
-    @_replaying.setter
-    def _replaying(self, value: bool) -> None:
+    @replaying.setter
+    def replaying(self, value: bool) -> None:  # set by ``Watcher.gradcheck`` around its forwards
         self.capture.replaying = value
 
     @property
@@ -421,7 +417,6 @@ class Escalation:
         return nonfinite_inputs(self._source(), minus_inf=minus_inf)
 
     #: The older name, still asked by extensions that look it up by name.
-    _nonfinite_inputs = nonfinite_inputs
 
     def _unabsorbed_minus_inf(self, result: ReplayResult | None) -> list[tuple[str, int, int]]:
         """The inputs holding -inf but no NaN or +Inf, when their -inf was not absorbed. Such an input passes
@@ -502,11 +497,11 @@ class Escalation:
         if self.integration != "plain" or self.model is None or not self._calls:
             return {}
         model = self.replayer.replay_model()
-        self._replaying = True
+        self.replaying = True
         try:
             return record_reentrant_cut(model, self._calls[-1], self.engine.index, self.replayer)
         finally:
-            self._replaying = False
+            self.replaying = False
 
     # -- report ------------------------------------------------------------------------------------
     def _write_report(

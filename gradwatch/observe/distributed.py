@@ -550,10 +550,9 @@ class RankAgreement:
             from gradwatch.diagnose.escalation import Escalation
 
             esc = engine.extension(Escalation)
-            find = getattr(esc, "_nonfinite_inputs", None)
-            if esc is None or not esc.active or find is None:
+            if esc is None or not esc.active:
                 return []  # escalate=False: no inputs are held
-            return [[str(n), int(a), int(b)] for n, a, b in find()[:8]]
+            return [[str(n), int(a), int(b)] for n, a, b in esc.nonfinite_inputs()[:8]]
         except Exception as exc:  # noqa: BLE001
             internal_warning("RankAgreement (inputs)", exc, owner=self._engine, key="RankAgreement.inputs")
             return []
