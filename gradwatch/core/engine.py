@@ -9,6 +9,7 @@ small protocol of optional methods, see :class:`Extension`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -454,7 +455,8 @@ class Engine:
         gmods: list[str | None] = []
         none: list[str] = []
         every_grad = list(map(_GRAD, op.params))
-        full = all(g is not None for g in every_grad)  # not ``None in``: that calls Tensor.__eq__
+        # Not ``None in`` (that calls Tensor.__eq__) nor a generator (a Python frame per parameter): a C loop.
+        full = all(map(operator.is_not, every_grad, itertools.repeat(None)))
         if full:  # the usual step: no per-parameter branching (the index's lists are never mutated)
             grads, gparams, gnames, gmods = every_grad, op.params, op.names, op.modules
         else:
