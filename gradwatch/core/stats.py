@@ -7,6 +7,7 @@ vector, and that vector is read back once. Everything else is Python arithmetic 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import sys
@@ -276,9 +277,8 @@ def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]
 
 
 def total_norm(norms: list[float]) -> float:
-    s = 0.0
-    for v in norms:
-        s += v * v
+    # ((0 + a*a) + b*b) + ...: the sum of squares in order, as a C loop (sum() may compensate: other digits).
+    s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
     return math.sqrt(s) if math.isfinite(s) else s
 
 
