@@ -590,15 +590,16 @@ class Engine:
 
     def _run_checks(self, stats: StepStats) -> list[Finding]:
         findings: list[Finding] = []
+        history, config = self.history, self.config
         for name, fn, _remember in self._check_modules:
             try:
-                findings.extend(fn(stats, self.history, self.config))
+                findings.extend(fn(stats, history, config))
             except Exception as exc:  # noqa: BLE001
                 internal_warning(f"check {name}", exc, owner=self)
         for name, _fn, remember in self._check_modules:
             if remember is not None:
                 try:
-                    remember(stats, self.history)
+                    remember(stats, history)
                 except Exception as exc:  # noqa: BLE001
                     internal_warning(f"check {name}.remember", exc, owner=self, key=f"check {name}")
         return findings
