@@ -208,11 +208,17 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     return slots
 
 
+_BITS: dict[torch.dtype, int] = {}
+
+
 def _fused_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor L2 norms in one fused call, as one float32 vector: accumulated in float32 for half,
     bfloat16 and float32 gradients (a half-precision norm would overflow), in their own precision for
     wider ones (float64: asking the kernel for float32 would be a narrowing it refuses)."""
-    if torch.finfo(dtype).bits <= 32:
+    bits = _BITS.get(dtype)
+    if bits is None:
+        bits = _BITS[dtype] = torch.finfo(dtype).bits  # an object per call otherwise: this runs every step
+    if bits <= 32:
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     return torch.stack(torch._foreach_norm(tensors, 2)).float()
 
