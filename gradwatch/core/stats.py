@@ -310,13 +310,18 @@ def _layer_plan(modules: list[str | None]) -> tuple[list[str], list[tuple[int, .
         groups.setdefault(layer_key(m), []).append(i)
     keys = list(groups)
     idx = [tuple(v) for v in groups.values()]
-    columns = None
-    if len(idx) > 1 and len({len(g) for g in idx}) == 1:
-        columns = [operator.itemgetter(*[g[j] for g in idx]) for j in range(len(idx[0]))]
+    columns = _columns(idx)
     if len(_LAYER_PLANS) >= 16:
         _LAYER_PLANS.pop(next(iter(_LAYER_PLANS)))
     _LAYER_PLANS[id(modules)] = (modules, len(modules), keys, idx, columns)
     return keys, idx, columns
+
+
+def _columns(idx: list[tuple[int, ...]]) -> list[operator.itemgetter] | None:
+    """For layers of equal size (two or more layers): the j-th getter reads the j-th position of every layer."""
+    if len(idx) < 2 or len({len(g) for g in idx}) != 1:
+        return None
+    return [operator.itemgetter(*[g[j] for g in idx]) for j in range(len(idx[0]))]
 
 
 def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:

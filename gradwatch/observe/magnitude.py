@@ -343,11 +343,8 @@ class MagnitudeExtension:
         i = ctx.stats.optimizer_index
         count = self._counts.get(i, 0)
         self._counts[i] = count + 1
-        snap = self._snapshots.pop(i, None)
-        if snap is None and count % self.every and count >= EARLY_UPDATES:
-            if not ctx.engine.history.memory.get(WANT_PARAM_NORMS):
-                return  # the usual step: nothing to measure
         info = _Inflight(None, [], None, None, [], 0)
+        snap = self._snapshots.pop(i, None)
         if snap is not None:
             steps = ctx.stats.step - snap.step
             pairs = [
