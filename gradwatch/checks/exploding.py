@@ -29,7 +29,9 @@ before it overflowed.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -104,6 +106,8 @@ HUGE_ADAPTIVE_LR = 0.05
 FIRST_STEPS = 20
 _ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 _WANT = "exploding/want_param_norms"
+#: ``v > 0`` as a C call (``0.0 < v``).
+_POSITIVE = functools.partial(operator.lt, 0.0)
 
 
 @once_per_check
@@ -122,8 +126,7 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         recent = ()
     elif ref[1] < len(recent):
         recent = list(recent)[len(recent) - ref[1] :]
-    log = math.log
-    logs = [log(v) for v in recent if v > 0]
+    logs = list(map(math.log, filter(_POSITIVE, recent)))  # C loops: this runs on every checked step
     m = median(logs)
     total = stats.total_norm
     excess = math.log(total) - m if total > 0 and math.isfinite(total) and math.isfinite(m) else None

@@ -16,7 +16,9 @@ quiet batch goes that low. Reported once per layer, again only after it recovere
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Any
 
 from gradwatch.core.config import Config
@@ -48,13 +50,17 @@ def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
     # A lookup table's gradient covers only the rows of the batch, its weights every row: its relative
     # gradient shrinks with the table's size (a 400k-row user table), whatever the training does.
     lookups = stats.extra.get("lookup_layers") or ()
-    rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights and k not in lookups}
+    grads = layers.values()
+    if not lookups and grads and min(grads) > 0.0 and all(map(math.isfinite, grads)) and weights.keys() >= layers.keys():
+        rel = dict(zip(layers, map(operator.truediv, grads, map(weights.__getitem__, layers))))  # every layer: C loops
+    else:
+        rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights and k not in lookups}
     if len(rel) < MIN_LAYERS:
         return {}
     typical = quantile(rel.values(), 0.75)
     if not typical > 0:
         return {}
-    return {k: v / typical for k, v in rel.items()}
+    return dict(zip(rel, map(operator.truediv, rel.values(), itertools.repeat(typical))))
 
 
 def _streaks(history: History, optimizer_index: int, thr: float) -> dict[str, Any]:
@@ -85,6 +91,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     thr = config.vanishing_ratio
     record = _streaks(history, stats.optimizer_index, thr)
     runs, far = record["runs"], record.setdefault("far", {})
+    if min(rel.values()) >= thr:  # the usual step: no layer below the ratio (one C loop)
+        return []
     low = [k for k, v in rel.items() if v < thr]  # only a layer below the ratio now can newly sustain it
     if not low:
         return []
@@ -135,6 +143,11 @@ def remember(stats: StepStats, history: History) -> None:
     # Run lengths instead of a window of past values: O(layers) per step whatever the window. A layer
     # missing from a step (no measurable gradient) ends its run.
     thr, runs, far, n = record["threshold"], record["runs"], record.get("far", {}), history.window
+    lowest = min(rel.values())
+    if lowest >= thr and lowest >= thr * FAR:  # the usual step: no layer below, every run ends (C loops)
+        record["far"] = dict.fromkeys(rel, 0)
+        record["runs"] = dict.fromkeys(rel, 0)
+        return
     record["far"] = {k: far.get(k, 0) + 1 if v < thr * FAR else 0 for k, v in rel.items()}
     # A layer reported by the fast rule counts as reported by the window rule too (once per run below).
     record["runs"] = {

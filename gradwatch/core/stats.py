@@ -7,7 +7,9 @@ vector, and that vector is read back once. Everything else is Python arithmetic 
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -279,11 +281,17 @@ def queue_grad_norms(batch: SyncBatch, grads: list[torch.Tensor]) -> list[tuple[
     return slots
 
 
+_BITS: dict[torch.dtype, int] = {}
+
+
 def _fused_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor L2 norms in one fused call, as one float32 vector: accumulated in float32 for half,
     bfloat16 and float32 gradients (a half-precision norm would overflow), in their own precision for
     wider ones (float64: asking the kernel for float32 would be a narrowing it refuses)."""
-    if torch.finfo(dtype).bits <= 32:
+    bits = _BITS.get(dtype)
+    if bits is None:
+        bits = _BITS[dtype] = torch.finfo(dtype).bits  # an object per call otherwise: this runs every step
+    if bits <= 32:
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     return torch.stack(torch._foreach_norm(tensors, 2)).float()
 
@@ -348,9 +356,8 @@ def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]
 
 
 def total_norm(norms: list[float]) -> float:
-    s = 0.0
-    for v in norms:
-        s += v * v
+    # ((0 + a*a) + b*b) + ...: the sum of squares in order, as a C loop (sum() may compensate: other digits).
+    s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
     return math.sqrt(s) if math.isfinite(s) else s
 
 
@@ -361,31 +368,45 @@ def layer_key(module: str | None) -> str:
 
 
 #: Layer plans of recently seen ``modules`` lists (by identity; the engine passes the same list each step).
-_LAYER_PLANS: dict[int, tuple[list[str | None], int, list[str], list[tuple[int, ...]]]] = {}
+_LAYER_PLANS: dict[int, tuple[list[str | None], int, list[str], list[tuple[int, ...]], Any]] = {}
 
 
-def _layer_plan(modules: list[str | None]) -> tuple[list[str], list[tuple[int, ...]]]:
+def _layer_plan(modules: list[str | None]) -> tuple[list[str], list[tuple[int, ...]], Any]:
+    """``(layer keys, each layer's positions, columns)``; ``columns`` is set when every layer holds the same
+    number of parameters (a stack of Linear layers: weight and bias): one getter per position within a layer,
+    each reading that position of every layer at once, so the per-layer norms take one C-level ``map``."""
     cached = _LAYER_PLANS.get(id(modules))
     if cached is not None and cached[0] is modules and cached[1] == len(modules):
-        return cached[2], cached[3]
+        return cached[2], cached[3], cached[4]
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(modules):
         groups.setdefault(layer_key(m), []).append(i)
     keys = list(groups)
     idx = [tuple(v) for v in groups.values()]
+    columns = _columns(idx)
     if len(_LAYER_PLANS) >= 16:
         _LAYER_PLANS.pop(next(iter(_LAYER_PLANS)))
-    _LAYER_PLANS[id(modules)] = (modules, len(modules), keys, idx)
-    return keys, idx
+    _LAYER_PLANS[id(modules)] = (modules, len(modules), keys, idx, columns)
+    return keys, idx, columns
+
+
+def _columns(idx: list[tuple[int, ...]]) -> list[operator.itemgetter] | None:
+    """For layers of equal size (two or more layers): the j-th getter reads the j-th position of every layer."""
+    if len(idx) < 2 or len({len(g) for g in idx}) != 1:
+        return None
+    return [operator.itemgetter(*[g[j] for g in idx]) for j in range(len(idx[0]))]
 
 
 def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:
     """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters)."""
     if len(modules) == len(norms):
-        keys, groups = _layer_plan(modules)
+        keys, groups, columns = _layer_plan(modules)
         try:
             hypot = math.hypot
-            vals = [abs(norms[g[0]]) if len(g) == 1 else hypot(*[norms[i] for i in g]) for g in groups]
+            if columns is not None:  # hypot(a, b) is hypot(*[a, b]); hypot(a) is abs(a)
+                vals = list(map(hypot, *[get(norms) for get in columns]))
+            else:
+                vals = [abs(norms[g[0]]) if len(g) == 1 else hypot(*[norms[i] for i in g]) for g in groups]
         except (IndexError, TypeError):
             vals = None
         if vals is not None and all(map(math.isfinite, vals)):

@@ -8,6 +8,7 @@ step's incident findings take the place of those they restate (:func:`fold_resta
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable
@@ -63,7 +64,8 @@ class Gathered:
 def gather(op: OptimizerParams) -> Gathered:
     """The gradients of optimizer ``op``'s parameters; no per-parameter branching on the usual step."""
     every_grad = list(map(_GRAD, op.params))
-    if all(g is not None for g in every_grad):  # not ``None in``: that calls Tensor.__eq__
+    # Not ``None in`` (that calls Tensor.__eq__) nor a generator (a Python frame per parameter): a C loop.
+    if all(map(operator.is_not, every_grad, itertools.repeat(None))):
         return Gathered(every_grad, op.params, op.names, op.modules, [], True)
     out = Gathered([], [], [], [], [], False)
     for p, n, m, g in zip(op.params, op.names, op.modules, every_grad):

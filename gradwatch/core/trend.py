@@ -21,8 +21,7 @@ MAD_TO_STD = 1.4826
 
 def median(values: Iterable[float]) -> float:
     """Median of finite values (``nan`` for none)."""
-    isfinite = math.isfinite
-    v = sorted([x for x in values if isfinite(x)])
+    v = sorted(filter(math.isfinite, values))  # C loops: this runs on every checked step
     if not v:
         return math.nan
     n = len(v)
@@ -31,8 +30,7 @@ def median(values: Iterable[float]) -> float:
 
 def robust_spread(values: Iterable[float]) -> tuple[float, float]:
     """``(median, spread)`` where spread is the MAD scaled to a standard deviation."""
-    isfinite = math.isfinite
-    v = [x for x in values if isfinite(x)]
+    v = list(filter(math.isfinite, values))
     m = median(v)
     if not v:
         return math.nan, math.nan
@@ -41,8 +39,7 @@ def robust_spread(values: Iterable[float]) -> tuple[float, float]:
 
 def quantile(values: Iterable[float], q: float) -> float:
     """Nearest-rank quantile of finite values (``nan`` for none)."""
-    isfinite = math.isfinite
-    v = sorted([x for x in values if isfinite(x)])
+    v = sorted(filter(math.isfinite, values))
     if not v:
         return math.nan
     return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]

@@ -26,6 +26,7 @@ magnitude checks' texts), and the ``gradwatch/clip_ratio`` scalar.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import weakref
@@ -102,7 +103,7 @@ class BackwardNorms:
             op = engine.index.per_optimizer[index]
             grads = [p.grad for p in op.params]
             present = None
-            if any(g is None for g in grads):
+            if not all(map(operator.is_not, grads, itertools.repeat(None))):  # a C loop, no Tensor.__eq__
                 present = tuple(i for i, g in enumerate(grads) if g is not None)
                 grads = [grads[i] for i in present]
             batch = SyncBatch()
