@@ -18,7 +18,7 @@ from typing import Literal
 
 from gradwatch.checks.exploding import APPLIED, after_explosion
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -80,35 +80,31 @@ def decide(stats: StepStats, config: Config, consecutive_skips: int) -> Verdict:
 
 def too_many_skips(stats: StepStats, history: History, config: Config, skips: int) -> Finding:
     """The ``too_many_skips`` error of an ``escalate`` verdict."""
+    cause = after_explosion(stats, history)  # the exploding update that threw the weights out of range, if any
+    persistent = _OVERFLOW_FIX if stats.overflow_norm and not stats.nonfinite else _PERSISTENT_FIX
     return Finding(
         kind="too_many_skips",
         step=stats.step,
         severity="error",
-        message=(
-            f"{skips} optimizer steps in a row were non-finite "
-            f"(max_skips={config.max_skips}); skipping further would only stall the run.\n"
-            + _after_explosion(stats, history)
-            + (
-                "Fix: the cause is persistent: the gradients are finite but their norm overflows "
-                "float32, so the weights or the loss have blown up (see the first exploding_grad "
-                "and loss_diverging findings of this run): lower the learning rate (10x at a time), "
-                "check weight_decay, add a warm-up, and clip gradients. "
-                if stats.overflow_norm and not stats.nonfinite
-                else "Fix: the cause is persistent, not a rare bad batch: see the first nonfinite "
-                "finding of this run for the op and module, lower the learning rate, or check the "
-                "data. "
-            )
-            + "Raise max_skips (or set it to None) to keep skipping."
+        explanation=Explanation(
+            what=f"{skips} optimizer steps in a row were non-finite (max_skips={config.max_skips}); skipping "
+            "further would only stall the run." + (f"\n{cause}" if cause else ""),
+            fix=persistent + "Raise max_skips (or set it to None) to keep skipping.",
         ),
         data={"consecutive_skips": skips,
               "after_exploding": (history.memory.get(APPLIED) or {}).get("step")},
     )
 
 
-def _after_explosion(stats: StepStats, history: History) -> str:
-    """too_many_skips: the exploding update that threw the weights out of range before the skips, if any."""
-    text = after_explosion(stats, history)
-    return text + "\n" if text else ""
+_OVERFLOW_FIX = (
+    "the cause is persistent: the gradients are finite but their norm overflows float32, so the weights or the "
+    "loss have blown up (see the first exploding_grad and loss_diverging findings of this run): lower the "
+    "learning rate (10x at a time), check weight_decay, add a warm-up, and clip gradients. "
+)
+_PERSISTENT_FIX = (
+    "the cause is persistent, not a rare bad batch: see the first nonfinite finding of this run for the op and "
+    "module, lower the learning rate, or check the data. "
+)
 
 
 def error_text(stats: StepStats | None, findings: list[Finding], why: str) -> str:
