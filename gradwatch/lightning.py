@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from gradwatch.core.closure_guard import failed_trial_loss
 from gradwatch.core.config import Config, OnNonfinite, make_config
-from gradwatch.core.engine import Engine, failed_trial_loss
+from gradwatch.core.engine import Engine
 from gradwatch.core.extensions import default_extensions
 from gradwatch.core.failures import internal_warning, safe_warn
 from gradwatch.core.findings import Explanation, Finding

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradwatch.core.closure_guard import failed_trial_loss
 from gradwatch.core.config import make_config
-from gradwatch.core.engine import Engine, failed_trial_loss
+from gradwatch.core.engine import Engine
 from gradwatch.core.extensions import default_extensions
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Explanation, Finding, names_text

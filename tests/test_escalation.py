@@ -17,7 +17,8 @@ from helpers import panels
 from torch import nn
 
 import gradwatch
-from gradwatch.diagnose.escalation import MAX_GRADS, Escalation
+from gradwatch.diagnose.capture import MAX_GRADS
+from gradwatch.diagnose.escalation import Escalation
 
 BAD_STEP = 2
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from gradwatch import checks as _checks
-from gradwatch.core.closure_guard import ClosureGuard, failed_trial_loss
+from gradwatch.core.closure_guard import ClosureGuard
 from gradwatch.core.config import Config
 from gradwatch.core.explain import exception_findings
-from gradwatch.core.extension_bus import Extension, ExtensionBus
+from gradwatch.core.extension_bus import ExtensionBus
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.history import History
@@ -44,7 +44,7 @@ from gradwatch.report.jsonl import new_run_id
 from gradwatch.report.scalars import NormSample, StepScalars
 from gradwatch.report.summary import RunSummary
 
-__all__ = ["NONFINITE_KINDS", "Decision", "Engine", "Extension", "StepContext", "failed_trial_loss"]
+__all__ = ["NONFINITE_KINDS", "Decision", "Engine"]
 
 _E = TypeVar("_E")
 

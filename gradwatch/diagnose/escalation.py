@@ -74,8 +74,6 @@ from gradwatch.core.findings import Finding
 from gradwatch.core.params import user_module
 from gradwatch.diagnose import bad_values, graph_walk
 from gradwatch.diagnose.capture import (
-    MAX_CALLS,
-    MAX_GRADS,
     Call,
     all_finite,
     nonfinite_flags,
@@ -83,7 +81,6 @@ from gradwatch.diagnose.capture import (
     output_leaves,
 )
 from gradwatch.diagnose.incident import (
-    MAX_REPORTS,
     ReportFacts,
     layer_table,
     needs_loop_scan,
@@ -101,13 +98,11 @@ from gradwatch.diagnose.input_findings import (
     poisoned_finding,
 )
 from gradwatch.diagnose.localize import Localization
-from gradwatch.diagnose.op_fixes import fix_for
-from gradwatch.diagnose.origin import OriginFacts, origin_finding, origin_fix, origin_message
+from gradwatch.diagnose.origin import origin_finding
 from gradwatch.diagnose.reentrant import (
     CUT_CAUSES,
     explain_cut,
     record_reentrant_cut,
-    reentrant_cause,
     reentrant_no_grad_warned,
 )
 from gradwatch.diagnose.replay import ReplayResult
@@ -416,8 +411,6 @@ class Escalation:
         those holding -inf only). One sync: on an incident or an error only."""
         return nonfinite_inputs(self._source(), minus_inf=minus_inf)
 
-    #: The older name, still asked by extensions that look it up by name.
-
     def _unabsorbed_minus_inf(self, result: ReplayResult | None) -> list[tuple[str, int, int]]:
         """The inputs holding -inf but no NaN or +Inf, when their -inf was not absorbed. Such an input passes
         for an additive attention mask (see ``capture.bad_data``) only if the forward absorbs its -inf (softmax,
@@ -515,16 +508,3 @@ class Escalation:
         facts = ReportFacts(findings, layers, result, note, self._source(), self.replayer.culprit)
         write_report(self.engine, self.reports, stats, facts)
 
-
-__all__ = [
-    "MAX_CALLS",
-    "MAX_GRADS",
-    "MAX_REPORTS",
-    "Escalation",
-    "OriginFacts",
-    "fix_for",
-    "layer_table",
-    "origin_fix",
-    "origin_message",
-    "reentrant_cause",
-]
