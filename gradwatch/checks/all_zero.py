@@ -20,6 +20,9 @@ from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.core.trend import newly_sustained
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('zero_total',)
+
 #: Checked steps in a row with every gradient exactly 0.
 DEAD = 5
 

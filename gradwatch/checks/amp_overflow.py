@@ -15,6 +15,9 @@ from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('amp',)
+
 #: What a scaler's overflow step means, by its cause: the loss itself was non-finite, or the scale was
 #: too high (dynamic loss scaling finding its scale).
 _OVERFLOW_CAUSE = {

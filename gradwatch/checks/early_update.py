@@ -20,6 +20,9 @@ from gradwatch.core.history import History
 from gradwatch.core.measured import EARLY_UPDATES, UPDATE_TOTAL, UPDATE_WEIGHTS
 from gradwatch.core.stats import StepStats
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('update_measured',)
+
 #: A whole-model update this many times the weights' norm (or a default init's, if larger), in one step, with
 #: a learning rate outside the usual range (``exploding.huge_lr``); RATIO_ALONE times whatever the rate.
 RATIO = 3.0

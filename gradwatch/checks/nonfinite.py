@@ -13,6 +13,9 @@ from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('nonfinite',)
+
 _ACTION = {
     "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged.",
     "warn": "on_nonfinite='warn': the update was applied, so the weights are now poisoned.",

@@ -11,6 +11,9 @@ from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('update_nonfinite',)
+
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if not stats.extra.get("update_nonfinite") or stats.is_nonfinite:

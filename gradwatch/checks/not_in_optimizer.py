@@ -16,6 +16,9 @@ from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('params_changed',)
+
 
 @dataclass(frozen=True)
 class CoverageFacts:

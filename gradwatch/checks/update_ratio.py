@@ -19,6 +19,9 @@ from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.core.trend import converged, newly_sustained
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('update_measured',)
+
 #: Measurements in a row a ratio must stay outside the band.
 PATIENCE = 5
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
@@ -37,40 +37,144 @@ FAST = 5
 _KEY = "vanishing"
 
 
+class _Relative(NamedTuple):
+    """Each layer's relative gradient (``values``, aligned with ``layers``), the typical one (the 75th
+    percentile over layers) and the lowest layer's relative to it (``min(values) / typical``: dividing by a
+    positive number keeps the order, so this is exactly the smallest of the divided values)."""
+
+    layers: tuple[str, ...]
+    values: list[float]
+    typical: float
+    lowest: float
+
+    def normalized(self) -> list[float]:
+        """Each layer's relative gradient divided by the typical one (aligned with ``layers``)."""
+        return list(map(operator.truediv, self.values, itertools.repeat(self.typical)))
+
+    def to_typical(self) -> dict[str, float]:
+        return dict(zip(self.layers, self.normalized()))
+
+
+#: ``[weights, layer order, their weights in that order]`` of the latest step: the weights are measured every
+#: ``update_ratio_every`` steps and the layers are the same from step to step, so the lookups are made once.
+_ALIGNED: list[Any] = [None, (), None]
+
+
+def _aligned(weights: dict[str, float], layers: tuple[str, ...]) -> list[float] | None:
+    """``weights`` in the order of ``layers`` (None when a layer has no usable weight norm)."""
+    memo = _ALIGNED
+    if memo[0] is not weights or memo[1] != layers:
+        aligned = list(map(weights.__getitem__, layers)) if weights.keys() >= set(layers) else None
+        memo[0], memo[1], memo[2] = weights, layers, aligned
+    return memo[2]  # type: ignore[no-any-return]
+
+
 @once_per_check
-def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
-    """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
+def relative(stats: StepStats, history: History) -> _Relative | None:
+    """The layers' relative gradients against the typical layer's (None if unknown)."""
     if not stats.names or stats.is_nonfinite:
-        return {}
+        return None
     weights = weight_summary(param_norms_of(stats, history))[0]
     if not weights:
-        return {}
+        return None
     layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
-    inf = math.inf
     # A lookup table's gradient covers only the rows of the batch, its weights every row: its relative
     # gradient shrinks with the table's size (a 400k-row user table), whatever the training does.
     lookups = stats.extra.get("lookup_layers") or ()
     grads = layers.values()
-    if not lookups and grads and min(grads) > 0.0 and all(map(math.isfinite, grads)) and weights.keys() >= layers.keys():
-        rel = dict(zip(layers, map(operator.truediv, grads, map(weights.__getitem__, layers))))  # every layer: C loops
+    keys = tuple(layers)
+    aligned = None
+    if not lookups and grads and min(grads) > 0.0 and all(map(math.isfinite, grads)):
+        aligned = _aligned(weights, keys)
+    if aligned is not None:  # every layer: C loops
+        values = list(map(operator.truediv, grads, aligned))
     else:
+        inf = math.inf
         rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights and k not in lookups}
-    if len(rel) < MIN_LAYERS:
-        return {}
-    typical = quantile(rel.values(), 0.75)
+        keys, values = tuple(rel), list(rel.values())
+    if len(values) < MIN_LAYERS:
+        return None
+    typical = quantile(values, 0.75)
     if not typical > 0:
-        return {}
-    return dict(zip(rel, map(operator.truediv, rel.values(), itertools.repeat(typical))))
+        return None
+    return _Relative(keys, values, typical, min(values) / typical)
+
+
+def relative_to_typical(stats: StepStats, history: History) -> dict[str, float]:
+    """Each layer's relative gradient divided by the 75th percentile over layers (empty if unknown)."""
+    rel = relative(stats, history)
+    return rel.to_typical() if rel is not None else {}
+
+
+class _Runs:
+    """Runs of recorded steps in a row, kept by their start: ``start[layer]`` is the count of recorded steps at
+    which the layer's current run began (its run is ``t - start``), ``at[count]`` the layers whose run began
+    then. A layer that stays in its run costs nothing per step: only one that enters or leaves is written."""
+
+    __slots__ = ("at", "start")
+
+    def __init__(self) -> None:
+        self.start: dict[str, int] = {}
+        self.at: dict[int, set[str]] = {}
+
+    def run(self, layer: str, t: int) -> int:
+        start = self.start.get(layer)
+        return 0 if start is None else t - start
+
+    def of_length(self, length: int, t: int) -> set[str]:
+        """The layers whose run is ``length`` (>= 1) at count ``t``."""
+        return self.at.get(t - length, set())
+
+    def set_start(self, layer: str, start: int) -> None:
+        old = self.start.get(layer)
+        if old is not None:
+            self._unmark(layer, old)
+        self.start[layer] = start
+        self.at.setdefault(start, set()).add(layer)
+
+    def _unmark(self, layer: str, start: int) -> None:
+        group = self.at[start]
+        group.discard(layer)
+        if not group:
+            del self.at[start]
+
+    def advance(self, inside: set[str], t: int) -> None:
+        """Count ``t`` (the previous plus one) is recorded: the layers ``inside`` extend or start a run, the others end it."""
+        start = self.start
+        for layer in start.keys() - inside:
+            self._unmark(layer, start.pop(layer))
+        for layer in inside - start.keys():
+            self.set_start(layer, t - 1)
+
+    def clear(self) -> None:
+        self.start, self.at = {}, {}
 
 
 def _streaks(history: History, optimizer_index: int, thr: float) -> dict[str, Any]:
-    """This optimizer's record ``{"threshold", "runs"}``; ``runs[layer]`` counts the recorded steps in a
-    row (up to the last one) the layer stayed below the threshold. Started again when the threshold changes."""
+    """This optimizer's record of the layers' runs below the threshold (``low``) and ``FAR`` times below it
+    (``far``), with ``t`` recorded steps; started again when the threshold changes."""
     kept = history.memory.setdefault(_KEY, {})
     record = kept.get(optimizer_index)
     if record is None or record["threshold"] != thr:
-        record = kept[optimizer_index] = {"threshold": thr, "runs": {}}
+        record = kept[optimizer_index] = {"threshold": thr, "t": 0, "low": _Runs(), "far": _Runs()}
     return record
+
+
+def _below(facts: _Relative, values: list[float], thr: float) -> list[str]:
+    """The layers whose value (aligned with ``facts.layers``) is below ``thr``, in order (C loops)."""
+    return list(itertools.compress(facts.layers, map(operator.gt, itertools.repeat(thr), values)))
+
+
+def _due(record: dict[str, Any], low: list[str], n: int) -> set[str]:
+    """Of the layers ``low`` now, those that may newly sustain it: a run below of ``n - 1`` steps so far, or
+    of ``FAST - 1`` steps far below (the fast rule, confirmed by :func:`_fast`)."""
+    t, runs, far = record["t"], record["low"], record["far"]
+    due = set(runs.of_length(n - 1, t)) if n > 1 else {k for k in low if runs.run(k, t) == 0}
+    if FAST > 1:
+        due |= far.of_length(FAST - 1, t)
+    else:  # pragma: no cover - FAST is a constant above 1
+        due |= set(low)
+    return due.intersection(low)
 
 
 def _has_matrix(stats: StepStats, layer: str) -> bool:
@@ -85,26 +189,31 @@ def _fast(rel: float, far_run: int, run: int, thr: float, n: int) -> bool:
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    rel = relative_to_typical(stats, history)
-    if not rel:
+    facts = relative(stats, history)
+    if facts is None:
         return []
     thr = config.vanishing_ratio
     record = _streaks(history, stats.optimizer_index, thr)
-    runs, far = record["runs"], record.setdefault("far", {})
-    if min(rel.values()) >= thr:  # the usual step: no layer below the ratio (one C loop)
-        return []
-    low = [k for k, v in rel.items() if v < thr]  # only a layer below the ratio now can newly sustain it
-    if not low:
+    if facts.lowest >= thr:  # the usual step: no layer below the ratio
         return []
     n = config.window
+    values = facts.normalized()
+    low = _below(facts, values, thr)  # only a layer below the ratio now can newly sustain it
+    due = _due(record, low, n)
+    if not due:
+        return []
+    rel = dict(zip(facts.layers, values))
+    t, runs, far = record["t"], record["low"], record["far"]
     # Below for n steps in a row as of now, not before; or FAST steps far below.
     new = [
         k for k in low
-        if (runs.get(k, 0) == n - 1 or _fast(rel[k], far.get(k, 0), runs.get(k, 0), thr, n)) and _has_matrix(stats, k)
+        if k in due
+        and (runs.run(k, t) == n - 1 or _fast(rel[k], far.run(k, t), runs.run(k, t), thr, n))
+        and _has_matrix(stats, k)
     ]
     if not new:
         return []
-    steps = min(n, max(runs.get(k, 0) + 1 for k in new))
+    steps = min(n, max(runs.run(k, t) + 1 for k in new))
     rows = [{"layer": k, "relative_to_typical": rel[k]} for k in new]
     worst = min(rel[k] for k in new)
     best = max(rel[k] for k in new)
@@ -136,21 +245,35 @@ def remember(stats: StepStats, history: History) -> None:
     remember_param_norms(stats, history)
     if not stats.names or stats.is_nonfinite:
         return
-    rel = relative_to_typical(stats, history)
+    facts = relative(stats, history)
     record = history.memory.get(_KEY, {}).get(stats.optimizer_index)  # set by check() on this step
-    if not rel or record is None:
+    if facts is None or record is None:
         return
-    # Run lengths instead of a window of past values: O(layers) per step whatever the window. A layer
-    # missing from a step (no measurable gradient) ends its run.
-    thr, runs, far, n = record["threshold"], record["runs"], record.get("far", {}), history.window
-    lowest = min(rel.values())
-    if lowest >= thr and lowest >= thr * FAR:  # the usual step: no layer below, every run ends (C loops)
-        record["far"] = dict.fromkeys(rel, 0)
-        record["runs"] = dict.fromkeys(rel, 0)
+    # Runs by their start (see _Runs): a few C loops per step whatever the window, Python work only for a layer
+    # that goes below or comes back. A layer missing from a step (no measurable gradient) ends its run.
+    thr, n = record["threshold"], history.window
+    lowest = facts.lowest
+    if lowest >= thr and lowest >= thr * FAR:  # the usual step: no layer below, every run ends
+        record["t"] += 1
+        record["low"].clear()
+        record["far"].clear()
         return
-    record["far"] = {k: far.get(k, 0) + 1 if v < thr * FAR else 0 for k, v in rel.items()}
-    # A layer reported by the fast rule counts as reported by the window rule too (once per run below).
-    record["runs"] = {
-        k: (n if _fast(v, far.get(k, 0), runs.get(k, 0), thr, n) else runs.get(k, 0) + 1) if v < thr else 0
-        for k, v in rel.items()
-    }
+    _advance(record, facts, thr, n)
+
+
+def _advance(record: dict[str, Any], facts: _Relative, thr: float, n: int) -> None:
+    """One recorded step: each layer below ``thr`` (``thr * FAR``) extends its run or starts one, the others end
+    theirs. A layer reported by the fast rule counts as reported by the window rule too (once per run below)."""
+    t, runs, far = record["t"], record["low"], record["far"]
+    values = facts.normalized()
+    low = set(_below(facts, values, thr))
+    far_low = set(_below(facts, values, thr * FAR))
+    candidates = far.of_length(FAST - 1, t) & far_low & low
+    rel = dict(zip(facts.layers, values)) if candidates else {}
+    fast = [k for k in candidates if _fast(rel[k], far.run(k, t), runs.run(k, t), thr, n)]
+    now = t + 1
+    far.advance(far_low, now)
+    runs.advance(low, now)
+    for k in fast:
+        runs.set_start(k, now - n)  # its run counts n: reported
+    record["t"] = now

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +24,10 @@ from gradwatch.core.params import OptimizerParams
 from gradwatch.core.stats import StepStats, SyncBatch, count_nonfinite, layer_norms, read_grad_norms, total_norm
 
 if TYPE_CHECKING:
+    from gradwatch.checks import CheckTable
     from gradwatch.core.engine import Engine
 
 _GRAD = operator.attrgetter("grad")
-
-#: ``(name, check, remember)`` of each check module (see :func:`gradwatch.checks.discover`).
-CheckModule = tuple[str, Callable[[StepStats, History, Config], list[Finding]], Any]
 
 
 @dataclass
@@ -120,22 +117,23 @@ def _fill_nonfinite(stats: StepStats, norms: list[float], grads: list[torch.Tens
     stats.overflow_norm = tuple(stats.names[i] for i in suspects if stats.names[i] not in bad)
 
 
-def run_checks(
-    checks: list[CheckModule], stats: StepStats, history: History, config: Config, owner: Any
-) -> list[Finding]:
-    """Every check on ``stats``, then every check's ``remember``; a check that fails is reported once."""
+def run_checks(checks: CheckTable, stats: StepStats, history: History, config: Config, owner: Any) -> list[Finding]:
+    """The step's checks (see :meth:`CheckTable.plan`), then their ``remember``; a check that fails is reported once."""
+    run, remembering = checks.plan(stats)
     findings: list[Finding] = []
-    for name, fn, _remember in checks:
+    for name, fn, _remember, _when in run:
         try:
-            findings.extend(fn(stats, history, config))
+            found = fn(stats, history, config)
         except Exception as exc:  # noqa: BLE001
             internal_warning(f"check {name}", exc, owner=owner)
-    for name, _fn, remember in checks:
-        if remember is not None:
-            try:
-                remember(stats, history)
-            except Exception as exc:  # noqa: BLE001
-                internal_warning(f"check {name}.remember", exc, owner=owner, key=f"check {name}")
+            continue
+        if found:
+            findings.extend(found)
+    for name, _fn, remember, _when in remembering:
+        try:
+            remember(stats, history)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning(f"check {name}.remember", exc, owner=owner, key=f"check {name}")
     return findings
 
 
