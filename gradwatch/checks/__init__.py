@@ -14,6 +14,8 @@ engine then runs it only on steps where one of them holds. A module without ``WH
 from __future__ import annotations
 
 import importlib
+import itertools
+import operator
 import pkgutil
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
@@ -35,6 +37,7 @@ RememberFn = Callable[[StepStats, History], None]
 #: The step facts a check module's ``WHEN`` can name: ``(name, holds(stats))``, each a few attribute reads,
 #: computed once per checked step.
 FACTS: tuple[tuple[str, Callable[[StepStats], bool]], ...] = (
+    ("loss", lambda s: s.loss is not None),
     ("nonfinite", lambda s: bool(s.loss_nonfinite or s.nonfinite or s.extra.get("stale_losses"))),
     ("zero_total", lambda s: bool(s.names) and s.total_norm == 0.0),
     ("params_changed", lambda s: bool(s.first_check or s.params_changed or s.extra.get("unregistered"))),
@@ -85,7 +88,7 @@ class CheckTable:
 
     def plan(self, stats: StepStats) -> tuple[list[CheckModule], list[CheckModule]]:
         """The checks to run on this step, and the ``remember`` functions (same order)."""
-        facts = tuple([holds(stats) for holds in _HOLDS])
+        facts = tuple(map(operator.call, _HOLDS, itertools.repeat(stats)))  # C loops
         plan = self._plans.get(facts)
         if plan is None:
             run = [m for m in self.modules if not m.when or any(facts[_FACT_INDEX[f]] for f in m.when)]

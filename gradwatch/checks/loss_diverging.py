@@ -38,6 +38,9 @@ from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 from gradwatch.core.trend import median
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('loss',)
+
 START = 5
 FAST = 3
 RECENT = 10

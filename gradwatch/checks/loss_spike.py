@@ -31,6 +31,9 @@ from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
 from gradwatch.core.trend import EARLY_LOSS, once_per_check, quantile, robust_spread
 
+#: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
+WHEN = ('loss',)
+
 #: Losses of history the test waits for.
 MIN_HISTORY = 20
 #: Smallest spread, as a fraction of the median's size.

@@ -48,6 +48,20 @@ def quantile(values: Iterable[float], q: float) -> float:
 _T = TypeVar("_T")
 
 
+class _Gone:
+    """Stands for a dead weak reference in an empty memo: matches no object, not even None."""
+
+    def __call__(self) -> object:
+        return self
+
+
+_gone = _Gone()
+
+
+def _none() -> None:
+    return None
+
+
 def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
     """Compute ``fn(stats, history)`` once per checked step: a check and its ``remember`` share it.
 
@@ -55,17 +69,17 @@ def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
     them in the history, so what ``fn`` reads does not change in between. The result is reused only for
     the same statistics object, the same history, and the same last recorded step of that history.
     """
-    cell: list[tuple[Any, ...]] = [()]
+    cell: list[tuple[Any, ...]] = [(_gone, _gone, _gone, None)]
 
     @functools.wraps(fn)
     def wrapper(stats: Any, history: Any) -> _T:
-        last = history.last.get(stats.optimizer_index)
         memo = cell[0]  # one read: another thread may replace it, never half of it
-        if memo and memo[0]() is stats and memo[1]() is history and (memo[2]() if memo[2] else None) is last:
+        last = history.last.get(stats.optimizer_index)
+        if memo[0]() is stats and memo[1]() is history and memo[2]() is last:
             return memo[3]  # type: ignore[no-any-return]
         value = fn(stats, history)
         # Everything weakly but the value: this cell outlives the run, which must not stay alive through it.
-        cell[0] = (weakref.ref(stats), weakref.ref(history), weakref.ref(last) if last is not None else None, value)
+        cell[0] = (weakref.ref(stats), weakref.ref(history), weakref.ref(last) if last is not None else _none, value)
         return value
 
     return wrapper
