@@ -67,7 +67,7 @@ class CheckTable:
 
     def __init__(self, modules: Iterable[Any]) -> None:
         self.modules: list[CheckModule] = []
-        self._plans: dict[tuple[bool, ...], tuple[list[CheckModule], list[CheckModule]]] = {}
+        self._plans: dict[tuple[bool, ...], tuple[list[tuple[str, CheckFn]], list[tuple[str, RememberFn]]]] = {}
         for m in modules:
             self.append(m)
 
@@ -86,13 +86,16 @@ class CheckTable:
     def __len__(self) -> int:
         return len(self.modules)
 
-    def plan(self, stats: StepStats) -> tuple[list[CheckModule], list[CheckModule]]:
-        """The checks to run on this step, and the ``remember`` functions (same order)."""
+    def plan(self, stats: StepStats) -> tuple[list[tuple[str, CheckFn]], list[tuple[str, RememberFn]]]:
+        """``(name, check)`` of the checks to run on this step, and ``(name, remember)`` of their ``remember``."""
         facts = tuple(map(operator.call, _HOLDS, itertools.repeat(stats)))  # C loops
         plan = self._plans.get(facts)
         if plan is None:
             run = [m for m in self.modules if not m.when or any(facts[_FACT_INDEX[f]] for f in m.when)]
-            plan = self._plans[facts] = (run, [m for m in run if m.remember is not None])
+            plan = self._plans[facts] = (
+                [(m.name, m.check) for m in run],
+                [(m.name, m.remember) for m in run if m.remember is not None],
+            )
         return plan
 
 

@@ -125,6 +125,9 @@ def remember(stats: StepStats, history: History) -> None:
     if found is None:
         return
     layers, zero = found
+    if not layers:  # no gradient norm is exactly zero (see _zero_layers): every run ends, no version to keep
+        _forget(history, stats.optimizer_index)
+        return
     # Versions of the zero layers' gradients, to tell an unused layer from a dead one at the next check.
     all_zero = [k for k, v in layers.items() if v == 0.0]
     versions = history.memory.setdefault(_VERSIONS, {})
@@ -140,3 +143,13 @@ def remember(stats: StepStats, history: History) -> None:
             del streaks[k]
     for k in zero:
         streaks[k] = streaks.get(k, 0) + 1
+
+
+def _forget(history: History, optimizer_index: int) -> None:
+    """A step without a zero layer: the optimizer's runs at zero end, its kept versions go."""
+    versions = history.memory.get(_VERSIONS)
+    if versions:
+        versions.pop(optimizer_index, None)
+    streaks = history.memory.get(_KEY, {}).get(optimizer_index)
+    if streaks:
+        streaks.clear()

@@ -121,7 +121,7 @@ def run_checks(checks: CheckTable, stats: StepStats, history: History, config: C
     """The step's checks (see :meth:`CheckTable.plan`), then their ``remember``; a check that fails is reported once."""
     run, remembering = checks.plan(stats)
     findings: list[Finding] = []
-    for name, fn, _remember, _when in run:
+    for name, fn in run:
         try:
             found = fn(stats, history, config)
         except Exception as exc:  # noqa: BLE001
@@ -129,7 +129,7 @@ def run_checks(checks: CheckTable, stats: StepStats, history: History, config: C
             continue
         if found:
             findings.extend(found)
-    for name, _fn, remember, _when in remembering:
+    for name, remember in remembering:
         try:
             remember(stats, history)
         except Exception as exc:  # noqa: BLE001
