@@ -46,6 +46,9 @@ _BEFORE, _NOW, _SCALE = "preclip/before", "preclip/now", "preclip/scale"
 UNCHANGED = 1e-4
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 @dataclass
 class _Taken:
     """One optimizer's gradient norms at the end of the latest backward call."""
@@ -101,7 +104,7 @@ class BackwardNorms:
             if engine is None or engine.closed or rep is None or rep.grad is None:
                 return
             op = engine.index.per_optimizer[index]
-            grads = [p.grad for p in op.params]
+            grads = list(map(_GRAD, op.params))  # a C loop: this runs at the end of every backward
             present = None
             if not all(map(operator.is_not, grads, itertools.repeat(None))):  # a C loop, no Tensor.__eq__
                 present = tuple(i for i, g in enumerate(grads) if g is not None)
