@@ -42,9 +42,10 @@ class ExtensionBus:
         self.owner = owner
         self.items: list[Any] = []
         # Per method name: ``(extension, bound method)`` of the extensions that define it, in order. Resolved
-        # once, not with a ``getattr`` per extension per call (three calls a step): rebuilt when ``items``
-        # changes length (``add``, a failed attach, or the engine's ``extensions`` list edited in place).
+        # once, not with a ``getattr`` per extension per call (three calls a step): resolved again when
+        # ``items`` changes length (``add``, a failed attach, or the engine's ``extensions`` edited in place).
         self._methods: dict[str, list[tuple[Any, Any]]] = {}
+        self._found: dict[type, Any] = {}  # find()'s answers, by class
         self._resolved_for = 0
 
     def add(self, ext: Any) -> Any:
@@ -72,13 +73,23 @@ class ExtensionBus:
 
     def find(self, cls: type[_E]) -> _E | None:
         """The attached extension of type ``cls`` (or a subclass), or None."""
-        return next((e for e in self.items if isinstance(e, cls)), None)
+        self._current()
+        try:
+            return self._found[cls]
+        except KeyError:
+            found = self._found[cls] = next((e for e in self.items if isinstance(e, cls)), None)
+            return found
+
+    def _current(self) -> None:
+        """Forget what was resolved when the extensions changed since."""
+        if self._resolved_for != len(self.items):
+            self._methods = {}
+            self._found = {}
+            self._resolved_for = len(self.items)
 
     def methods(self, method: str) -> list[tuple[Any, Any]]:
         """``(extension, bound method)`` of every extension that defines ``method``, in the order added."""
-        if self._resolved_for != len(self.items):
-            self._methods = {}
-            self._resolved_for = len(self.items)
+        self._current()
         found = self._methods.get(method)
         if found is None:
             found = self._methods[method] = [

@@ -206,9 +206,12 @@ class SyncBatch:
     def stage(self) -> torch.Tensor | None:
         """Concatenate everything on one device without syncing (for deferred reads and all-reduce)."""
         if self._flat is None and self._parts:
+            if len(self._parts) == 1:  # the usual step without observed losses: nothing to move or join
+                self._flat = self._parts[0]
+                return self._flat
             device = self._parts[0].device
             parts = [p if p.device == device else p.to(device, non_blocking=True) for p in self._parts]
-            self._flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._flat = torch.cat(parts)
         return self._flat
 
     def replace_flat(self, flat: torch.Tensor) -> None:

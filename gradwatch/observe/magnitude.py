@@ -219,12 +219,15 @@ class MagnitudeExtension:
         i = ctx.stats.optimizer_index
         count = self._counts.get(i, 0)
         self._counts[i] = count + 1
-        info = _Inflight(None, [], None, None, [], 0)
         snap = self._snapshots.pop(i, None)
+        wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
+        asked = bool(wanted) and i in wanted
+        if snap is None and not asked and count % self.every != 0 and count >= EARLY_UPDATES:
+            return  # the usual step: no update to measure, and plan_measurement() would measure nothing
+        info = _Inflight(None, [], None, None, [], 0)
         if snap is not None:
             _queue_update(ctx, snap, info)
-        wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
-        plan = plan_measurement(count, self.every, asked=bool(wanted) and i in wanted)
+        plan = plan_measurement(count, self.every, asked=asked)
         if ctx.params and (plan.norms or plan.sample):
             if plan.takes_wish:
                 wanted.discard(i)  # a check asked for this step's weights (see WANT_PARAM_NORMS)
