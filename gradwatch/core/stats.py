@@ -243,6 +243,9 @@ class SyncBatch:
             else:
                 flat = self.stage()
             values: list[float] = flat.tolist() if flat is not None else []
+            if len(self._sizes) == 1:
+                self._values = [values]  # one slot holds it all (a fresh list: no copy needed)
+                return self._values
             out: list[list[float]] = []
             pos = 0
             for n in self._sizes:
@@ -400,8 +403,9 @@ def _columns(idx: list[tuple[int, ...]]) -> list[operator.itemgetter] | None:
     return [operator.itemgetter(*[g[j] for g in idx]) for j in range(len(idx[0]))]
 
 
-def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:
-    """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters)."""
+def layer_norms(modules: list[str | None], norms: list[float], *, finite: bool = False) -> dict[str, float]:
+    """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters).
+    ``finite``: the caller knows every norm is finite (their sum of squares is), so every layer's is too."""
     if len(modules) == len(norms):
         keys, groups, columns = _layer_plan(modules)
         try:
@@ -412,7 +416,8 @@ def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, floa
                 vals = [abs(norms[g[0]]) if len(g) == 1 else hypot(*[norms[i] for i in g]) for g in groups]
         except (IndexError, TypeError):
             vals = None
-        if vals is not None and all(map(math.isfinite, vals)):
+        # hypot of finite float32-range norms cannot overflow a double: known finite, they need no look.
+        if vals is not None and (finite or all(map(math.isfinite, vals))):
             return dict(zip(keys, vals))
     acc: dict[str, float] = {}
     for m, v in zip(modules, norms):
