@@ -3,7 +3,11 @@ bus, the reporters' fan-out and the step scalars."""
 
 from __future__ import annotations
 
+import functools
 import gc
+import math
+import operator
+import random
 import warnings
 from collections import Counter
 from typing import Any
@@ -17,7 +21,7 @@ from gradwatch.core.failures import GradWatchInternalWarning
 from gradwatch.core.loss_ledger import LossLedger
 from gradwatch.core.param_tracker import ParamTracker
 from gradwatch.core.params import ParamIndex
-from gradwatch.core.stats import StepStats, SyncBatch, layer_norms
+from gradwatch.core.stats import StepStats, SyncBatch, layer_norms, total_norm
 from gradwatch.core.update_guard import UpdateGuard
 from gradwatch.core.weak import weak_method
 from gradwatch.report import Reporters
@@ -190,3 +194,12 @@ def test_step_scalars_write_the_counters_only_when_they_change_between_full_step
 def test_layer_norms_of_norms_known_finite_are_those_found_by_looking(modules: list[str]) -> None:
     norms = [3.0, 4.0, 1e30, 2.5e-20]
     assert layer_norms(modules, norms, finite=True) == layer_norms(modules, norms)
+
+
+def test_the_total_norm_is_the_square_root_of_the_squares_added_in_order() -> None:
+    rng = random.Random(0)
+    for n in (1, 2, 80, 257):
+        norms = [rng.random() * 10.0 ** rng.randint(-30, 30) for _ in range(n)]
+        in_order = functools.reduce(operator.add, [v * v for v in norms], 0.0)
+        assert total_norm(norms) == math.sqrt(in_order)
+    assert total_norm([1.0, math.inf]) == math.inf and math.isnan(total_norm([1.0, math.nan]))

@@ -361,9 +361,17 @@ def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]
     return norms
 
 
+#: Before Python 3.12, ``sum()`` of floats adds them in order into a C double: the very digits of the
+#: ``functools.reduce`` below, without a float object per term. From 3.12 it compensates (other digits).
+_SUM_IN_ORDER = sys.version_info < (3, 12)
+
+
 def total_norm(norms: list[float]) -> float:
     # ((0 + a*a) + b*b) + ...: the sum of squares in order, as a C loop (sum() may compensate: other digits).
-    s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
+    if _SUM_IN_ORDER:
+        s = sum(map(operator.mul, norms, norms), 0.0)
+    else:
+        s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
     return math.sqrt(s) if math.isfinite(s) else s
 
 

@@ -599,7 +599,7 @@ class ZeroGradTracker:
         g = t.rep.grad if t.rep is not None else None
         seen = observe(t, g, bool(ctx.grads), sum(self.engine.step_counts))
         facts = self._facts(i, t, seen)
-        if spans_other_step(t, self.trackers):
+        if len(self.trackers) > 1 and spans_other_step(t, self.trackers):  # (one optimizer: no other step)
             facts["spans_other_step"] = True
         verdict = after_backward_verdict(seen)
         self._record(ctx, t, seen, verdict, facts)
