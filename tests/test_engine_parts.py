@@ -203,3 +203,11 @@ def test_the_total_norm_is_the_square_root_of_the_squares_added_in_order() -> No
         in_order = functools.reduce(operator.add, [v * v for v in norms], 0.0)
         assert total_norm(norms) == math.sqrt(in_order)
     assert total_norm([1.0, math.inf]) == math.inf and math.isnan(total_norm([1.0, math.nan]))
+
+
+def test_a_ledger_with_no_loss_observed_queues_nothing_and_forgets_the_latest_backward() -> None:
+    ledger = LossLedger([])
+    ledger.backward_reached()
+    batch = SyncBatch()
+    assert ledger.queue(batch, [], StepStats(step=0)) == (-1, -1)
+    assert batch.stage() is None and ledger.mark == 0 and batch.resolve() == []
