@@ -243,7 +243,7 @@ class SyncBatch:
             else:
                 flat = self.stage()
             values: list[float] = flat.tolist() if flat is not None else []
-            if len(self._sizes) == 1:
+            if len(self._sizes) == 1 and len(values) == self._sizes[0]:
                 self._values = [values]  # one slot holds it all (a fresh list: no copy needed)
                 return self._values
             out: list[list[float]] = []
