@@ -41,10 +41,17 @@ class ExtensionBus:
     def __init__(self, owner: Any) -> None:
         self.owner = owner
         self.items: list[Any] = []
+        # Per method name: ``(extension, bound method)`` of the extensions that define it, in order. Resolved
+        # once, not with a ``getattr`` per extension per call (three calls a step): resolved again when
+        # ``items`` changes length (``add``, a failed attach, or the engine's ``extensions`` edited in place).
+        self._methods: dict[str, list[tuple[Any, Any]]] = {}
+        self._found: dict[type, Any] = {}  # find()'s answers, by class
+        self._resolved_for = 0
 
     def add(self, ext: Any) -> Any:
         """Attach ``ext``; one that cannot attach is reported, closed and left out."""
         self.items.append(ext)
+        self._resolved_for = -1
         attach = getattr(ext, "attach", None)
         if attach is None:
             return ext
@@ -54,6 +61,7 @@ class ExtensionBus:
             raise
         except Exception as exc:  # noqa: BLE001 - an extension that cannot attach is left out
             self.items.remove(ext)
+            self._resolved_for = -1
             internal_warning(f"{type(ext).__name__}.attach", exc, owner=self.owner, key=type(ext).__name__)
             close = getattr(ext, "close", None)
             if close is not None:
@@ -65,14 +73,33 @@ class ExtensionBus:
 
     def find(self, cls: type[_E]) -> _E | None:
         """The attached extension of type ``cls`` (or a subclass), or None."""
-        return next((e for e in self.items if isinstance(e, cls)), None)
+        self._current()
+        try:
+            return self._found[cls]
+        except KeyError:
+            found = self._found[cls] = next((e for e in self.items if isinstance(e, cls)), None)
+            return found
+
+    def _current(self) -> None:
+        """Forget what was resolved when the extensions changed since."""
+        if self._resolved_for != len(self.items):
+            self._methods = {}
+            self._found = {}
+            self._resolved_for = len(self.items)
+
+    def methods(self, method: str) -> list[tuple[Any, Any]]:
+        """``(extension, bound method)`` of every extension that defines ``method``, in the order added."""
+        self._current()
+        found = self._methods.get(method)
+        if found is None:
+            found = self._methods[method] = [
+                (ext, fn) for ext in self.items if (fn := getattr(ext, method, None)) is not None
+            ]
+        return found
 
     def call(self, method: str, *args: Any) -> None:
         """``method(*args)`` on every extension that defines it."""
-        for ext in self.items:
-            fn = getattr(ext, method, None)
-            if fn is None:
-                continue
+        for ext, fn in self.methods(method):
             try:
                 fn(*args)
             except GradWatchError:
@@ -83,10 +110,7 @@ class ExtensionBus:
     def on_incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
         """Every extension's ``on_incident`` findings, each seeing those found before it."""
         extra: list[Finding] = []
-        for ext in self.items:
-            fn = getattr(ext, "on_incident", None)
-            if fn is None:
-                continue
+        for ext, fn in self.methods("on_incident"):
             try:
                 extra.extend(fn(stats, findings + extra) or [])
             except GradWatchError:

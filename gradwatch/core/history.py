@@ -43,9 +43,9 @@ class History:
         if skipped or stats.is_nonfinite:
             return
         if stats.names and math.isfinite(stats.total_norm):
-            self.total_norms.setdefault(i, deque(maxlen=self.window)).append(stats.total_norm)
+            _window(self.total_norms, i, self.window).append(stats.total_norm)
             if stats.layer_norms:  # one append per step, not one per layer: this runs on every step
-                self.layer_steps.setdefault(i, deque(maxlen=self.window)).append(stats.layer_norms)
+                _window(self.layer_steps, i, self.window).append(stats.layer_norms)
         if stats.loss is not None and math.isfinite(stats.loss):
             if self.losses.maxlen != self.window:
                 self.losses = deque(self.losses, maxlen=self.window)
@@ -85,3 +85,11 @@ class History:
         for k in state.get("reported_sets", ()):
             if k in self.reported:
                 self.reported[k] = frozenset(self.reported[k])
+
+
+def _window(windows: dict[int, deque[Any]], i: int, size: int) -> deque[Any]:
+    """Optimizer ``i``'s rolling window (made on its first use; ``setdefault`` would build one every step)."""
+    found = windows.get(i)
+    if found is None:
+        found = windows[i] = deque(maxlen=size)
+    return found

@@ -108,6 +108,10 @@ class LossLedger:
     def queue(self, batch: SyncBatch, grads: list[torch.Tensor], stats: StepStats) -> tuple[int, int]:
         """Queue this step's losses and the stale ones into ``batch``: ``(loss slot, stale slot)``, -1 for
         none. The ledger is empty afterwards."""
+        if not self.losses and not self.stale:  # no loss observed (a loop without observe_loss): nothing to read
+            self.reached = []
+            self.mark = 0
+            return -1, -1
         self._set_aside_unused()
         self.reached = []
         loss_slot = -1

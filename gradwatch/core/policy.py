@@ -63,10 +63,14 @@ def needs_incident(stats: StepStats) -> bool:
     return stats.is_nonfinite or bool(stats.extra.get("any_rank_nonfinite"))
 
 
+#: The verdict of a step that blocks nothing (the usual one): immutable, so one instance serves every step.
+FINITE = Verdict("continue", "finite", False, 0)
+
+
 def decide(stats: StepStats, config: Config, consecutive_skips: int) -> Verdict:
     """The policy: ``on_nonfinite`` and ``max_skips`` applied to one checked step (pure)."""
     if not is_blocked(stats):
-        return Verdict("continue", "finite", False, 0)
+        return FINITE
     policy = config.on_nonfinite
     if policy == "raise":
         return Verdict("raise", "on_nonfinite='raise'", True, consecutive_skips)

@@ -206,9 +206,12 @@ class SyncBatch:
     def stage(self) -> torch.Tensor | None:
         """Concatenate everything on one device without syncing (for deferred reads and all-reduce)."""
         if self._flat is None and self._parts:
+            if len(self._parts) == 1:  # the usual step without observed losses: nothing to move or join
+                self._flat = self._parts[0]
+                return self._flat
             device = self._parts[0].device
             parts = [p if p.device == device else p.to(device, non_blocking=True) for p in self._parts]
-            self._flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._flat = torch.cat(parts)
         return self._flat
 
     def replace_flat(self, flat: torch.Tensor) -> None:
@@ -240,6 +243,9 @@ class SyncBatch:
             else:
                 flat = self.stage()
             values: list[float] = flat.tolist() if flat is not None else []
+            if len(self._sizes) == 1 and len(values) == self._sizes[0]:
+                self._values = [values]  # one slot holds it all (a fresh list: no copy needed)
+                return self._values
             out: list[list[float]] = []
             pos = 0
             for n in self._sizes:
@@ -355,9 +361,17 @@ def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]
     return norms
 
 
+#: Before Python 3.12, ``sum()`` of floats adds them in order into a C double: the very digits of the
+#: ``functools.reduce`` below, without a float object per term. From 3.12 it compensates (other digits).
+_SUM_IN_ORDER = sys.version_info < (3, 12)
+
+
 def total_norm(norms: list[float]) -> float:
     # ((0 + a*a) + b*b) + ...: the sum of squares in order, as a C loop (sum() may compensate: other digits).
-    s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
+    if _SUM_IN_ORDER:
+        s = sum(map(operator.mul, norms, norms), 0.0)
+    else:
+        s = functools.reduce(operator.add, map(operator.mul, norms, norms), 0.0)
     return math.sqrt(s) if math.isfinite(s) else s
 
 
@@ -397,8 +411,9 @@ def _columns(idx: list[tuple[int, ...]]) -> list[operator.itemgetter] | None:
     return [operator.itemgetter(*[g[j] for g in idx]) for j in range(len(idx[0]))]
 
 
-def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, float]:
-    """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters)."""
+def layer_norms(modules: list[str | None], norms: list[float], *, finite: bool = False) -> dict[str, float]:
+    """L2 norm per owning module (``<root>`` for the model itself, ``<foreign>`` for unowned parameters).
+    ``finite``: the caller knows every norm is finite (their sum of squares is), so every layer's is too."""
     if len(modules) == len(norms):
         keys, groups, columns = _layer_plan(modules)
         try:
@@ -409,7 +424,8 @@ def layer_norms(modules: list[str | None], norms: list[float]) -> dict[str, floa
                 vals = [abs(norms[g[0]]) if len(g) == 1 else hypot(*[norms[i] for i in g]) for g in groups]
         except (IndexError, TypeError):
             vals = None
-        if vals is not None and all(map(math.isfinite, vals)):
+        # hypot of finite float32-range norms cannot overflow a double: known finite, they need no look.
+        if vals is not None and (finite or all(map(math.isfinite, vals))):
             return dict(zip(keys, vals))
     acc: dict[str, float] = {}
     for m, v in zip(modules, norms):

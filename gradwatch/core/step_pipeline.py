@@ -91,10 +91,11 @@ def fill(
     norms = read_grad_norms(values, norm_slots, len(stats.names))
     stats.norms = norms
     total = stats.total_norm = total_norm(norms)
-    if per_layer:
-        stats.layer_norms = layer_norms(stats.modules, norms)
     # The total is finite exactly when every norm is (float64 sums of float32 norms cannot overflow).
-    if not math.isfinite(total):
+    finite = math.isfinite(total)
+    if per_layer:
+        stats.layer_norms = layer_norms(stats.modules, norms, finite=finite)
+    if not finite:
         _fill_nonfinite(stats, norms, grads)
     if loss_slot >= 0:
         lv = values[loss_slot]

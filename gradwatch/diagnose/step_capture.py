@@ -175,7 +175,7 @@ class StepCapture:
 
     def end_step(self, step: int) -> None:
         """The step's last optimizer stepped: release its calls, keep references for ``Watcher.gradcheck()``."""
-        inputs = [(c.args, c.kwargs, c.rng) for c in self.calls]
+        inputs = [(c.args, c.kwargs, c.rng) for c in self.calls] if self.calls else []
         self.new_step()
         self.last_step = (step, inputs) if inputs else None
 

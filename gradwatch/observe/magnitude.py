@@ -135,6 +135,11 @@ def plan_measurement(count: int, every: int, asked: bool) -> MeasurementPlan:
     )
 
 
+def measures_nothing(count: int, every: int, asked: bool) -> bool:
+    """``plan_measurement(count, every, asked)`` measures neither norms nor a sample (told without making it)."""
+    return not asked and count % every != 0 and count >= EARLY_UPDATES
+
+
 def whole_model_ratio(before: dict[str, float], update: dict[str, float], steps: int) -> tuple[float, float] | None:
     """``(ratio, weights)``: the whole model's update-to-weight ratio per optimizer step and the norm of the
     weights, from per-layer norms of the weights before and of the update; None when not measurable."""
@@ -219,18 +224,23 @@ class MagnitudeExtension:
         i = ctx.stats.optimizer_index
         count = self._counts.get(i, 0)
         self._counts[i] = count + 1
-        info = _Inflight(None, [], None, None, [], 0)
         snap = self._snapshots.pop(i, None)
+        wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
+        asked = bool(wanted) and i in wanted
+        if snap is None and measures_nothing(count, self.every, asked):
+            return  # the usual step: no update to measure, no weights to measure
+        info = _Inflight(None, [], None, None, [], 0)
         if snap is not None:
             _queue_update(ctx, snap, info)
-        wanted = ctx.engine.history.memory.get(WANT_PARAM_NORMS)
-        plan = plan_measurement(count, self.every, asked=bool(wanted) and i in wanted)
-        if ctx.params and (plan.norms or plan.sample):
-            if plan.takes_wish:
-                wanted.discard(i)  # a check asked for this step's weights (see WANT_PARAM_NORMS)
-            self._queue_weights(ctx, plan, info)
+        self._measure_weights(ctx, plan_measurement(count, self.every, asked=asked), wanted, info)
         if info.param_slots is not None or info.update_slots is not None:
             self._inflight[id(ctx)] = info
+
+    def _measure_weights(self, ctx: Any, plan: MeasurementPlan, wanted: Any, info: _Inflight) -> None:
+        if ctx.params and (plan.norms or plan.sample):
+            if plan.takes_wish:
+                wanted.discard(ctx.stats.optimizer_index)  # a check asked for this step's weights (WANT_PARAM_NORMS)
+            self._queue_weights(ctx, plan, info)
 
     def _queue_weights(self, ctx: Any, plan: MeasurementPlan, info: _Inflight) -> None:
         """Queue the weights' norms and/or keep a sample of them for the next step's update."""

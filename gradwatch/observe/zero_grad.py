@@ -407,7 +407,7 @@ SMALLEST = "smallest"
 MOST_WRITTEN = "most_written"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made at every check, and a frozen __init__ costs three times as much
 class GradObservation:
     """What one check finds about an optimizer's representative gradient (plain values, no tensors)."""
 
@@ -599,11 +599,13 @@ class ZeroGradTracker:
         g = t.rep.grad if t.rep is not None else None
         seen = observe(t, g, bool(ctx.grads), sum(self.engine.step_counts))
         facts = self._facts(i, t, seen)
-        if spans_other_step(t, self.trackers):
+        if len(self.trackers) > 1 and spans_other_step(t, self.trackers):  # (one optimizer: no other step)
             facts["spans_other_step"] = True
         verdict = after_backward_verdict(seen)
         self._record(ctx, t, seen, verdict, facts)
-        t.arm_sampling(sampling_armed(stats.extra.get("backward_passes"), t.kept_passes), ctx.params)
+        armed = sampling_armed(stats.extra.get("backward_passes"), t.kept_passes)
+        if armed or t.sampled is not None:  # (disarming what is not armed changes nothing)
+            t.arm_sampling(armed, ctx.params)
         t.sample_of = None
         if t.model_param is not None:
             facts["model_grad_replaced"] = t.model_grad_replaced()
@@ -652,7 +654,7 @@ class ZeroGradTracker:
             facts[CHANGED_AFTER_BACKWARD] = True
             if t.post_nonzero is not None:
                 ctx.slots[_SLOT_NONZERO] = ctx.batch.add(t.post_nonzero)
-        if facts["last_backward_grad"]:
+        if facts["last_backward_grad"] and t.sample_of is not None:  # (nothing sampled: nothing to compare)
             ZeroGradTracker._read_rewritten(ctx, t, facts)
 
     @staticmethod

@@ -61,15 +61,26 @@ class Reporters:
 
     def __init__(self, reporters: list[Any]) -> None:
         self.items = list(reporters)
+        # Per method name: ``(reporter, bound method)`` of the reporters that define it, resolved once (the
+        # scalars go out every checked step), again whenever ``items`` changes length.
+        self._methods: dict[str, list[tuple[Any, Any]]] = {}
+        self._resolved_for = 0
 
     def add(self, reporter: Any) -> None:
         self.items.append(reporter)
+        self._resolved_for = -1
+
+    def _with(self, method: str) -> list[tuple[Any, Any]]:
+        if self._resolved_for != len(self.items):
+            self._methods = {}
+            self._resolved_for = len(self.items)
+        found = self._methods.get(method)
+        if found is None:
+            found = self._methods[method] = [(r, fn) for r in self.items if (fn := getattr(r, method, None)) is not None]
+        return found
 
     def call(self, method: str, *args: Any) -> None:
-        for r in self.items:
-            fn = getattr(r, method, None)
-            if fn is None:
-                continue
+        for r, fn in self._with(method):
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - a reporter must never stop training

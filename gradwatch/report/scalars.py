@@ -25,33 +25,51 @@ class StepScalars:
         self._layer_tags: dict[str, str] = {}
         self._last_counters: dict[str, float] = {}
         self._scalar_steps: dict[int, int] = {}
+        self._tags: dict[int, tuple[str, str]] = {}  # per optimizer: (total norm tag, loss tag)
+        # What the counters were made of at the previous step: when it is the same, every counter equals the
+        # value written last (each step leaves ``_last_counters`` holding all of its counters) and none is due.
+        self._counted: tuple[int, int, dict[str, int]] | None = None
 
     def of(
         self, stats: StepStats, steps_skipped: int, kind_counts: Mapping[str, int], *, every_value: bool = False
     ) -> dict[str, float]:
         """The scalars of ``stats``; ``every_value`` (a step with findings) writes every one."""
-        suffix = f"_opt{stats.optimizer_index}" if self.several_optimizers else ""
+        i = stats.optimizer_index
+        tags = self._tags.get(i)
+        if tags is None:
+            suffix = f"_opt{i}" if self.several_optimizers else ""
+            tags = self._tags[i] = (f"gradwatch/grad_norm/total{suffix}", f"gradwatch/loss{suffix}")
         out: dict[str, float] = {}
         if stats.names:
-            out[f"gradwatch/grad_norm/total{suffix}"] = stats.total_norm
-        seen = self._scalar_steps[stats.optimizer_index] = self._scalar_steps.get(stats.optimizer_index, 0) + 1
+            out[tags[0]] = stats.total_norm
+        seen = self._scalar_steps[i] = self._scalar_steps.get(i, 0) + 1
         full = every_value or (seen - 1) % self.layer_every == 0  # each optimizer its own cadence
         if full:
             self._layers(stats, out)
         if stats.loss is not None:
-            out[f"gradwatch/loss{suffix}"] = stats.loss  # a GAN's two losses: two series
-        counters = {"gradwatch/skipped_steps": float(steps_skipped),
-                    "gradwatch/nonfinite_grads": float(len(stats.nonfinite))}
+            out[tags[1]] = stats.loss  # a GAN's two losses: two series
+        self._counters(out, full, steps_skipped, len(stats.nonfinite), kind_counts)
+        more = stats.extra.get("scalars")
+        if isinstance(more, dict):
+            out.update(more)
+        return out
+
+    def _counters(
+        self, out: dict[str, float], full: bool, skipped: int, nonfinite: int, kind_counts: Mapping[str, int]
+    ) -> None:
+        """The counters due: all of them at a full step, else those that changed since they were written."""
+        counted = self._counted
+        if not full and counted is not None and counted[0] == skipped and counted[1] == nonfinite:
+            if counted[2] == kind_counts:
+                return  # the usual step: nothing new counted
+        self._counted = (skipped, nonfinite, dict(kind_counts))
+        counters = {"gradwatch/skipped_steps": float(skipped), "gradwatch/nonfinite_grads": float(nonfinite)}
         for kind, n in kind_counts.items():
             counters["gradwatch/findings/" + kind] = float(n)
         last = self._last_counters
         for tag, v in counters.items():
             if full or last.get(tag) != v:
                 out[tag] = last[tag] = v
-        more = stats.extra.get("scalars")
-        if isinstance(more, dict):
-            out.update(more)
-        return out
 
     def _layers(self, stats: StepStats, out: dict[str, float]) -> None:
         tags = self._layer_tags

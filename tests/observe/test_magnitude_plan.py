@@ -8,7 +8,13 @@ import math
 import pytest
 
 from gradwatch.core.measured import EARLY_UPDATES
-from gradwatch.observe.magnitude import MeasurementPlan, layer_ratios, plan_measurement, whole_model_ratio
+from gradwatch.observe.magnitude import (
+    MeasurementPlan,
+    layer_ratios,
+    measures_nothing,
+    plan_measurement,
+    whole_model_ratio,
+)
 
 
 def test_a_step_on_the_cadence_measures_norms_and_samples_for_every_layer() -> None:
@@ -32,6 +38,14 @@ def test_a_step_off_the_cadence_after_the_first_checks_measures_nothing() -> Non
 def test_a_request_off_the_cadence_gets_the_norms_without_a_sample() -> None:
     plan = plan_measurement(EARLY_UPDATES + 1, 100, asked=True)
     assert plan == MeasurementPlan(norms=True, sample=False, early=True, takes_wish=True)
+
+
+@pytest.mark.parametrize("every", [1, 3, 10, 100])
+def test_measuring_nothing_is_told_exactly_as_the_plan_would_tell_it(every: int) -> None:
+    for count in range(3 * every + EARLY_UPDATES + 2):
+        for asked in (False, True):
+            plan = plan_measurement(count, every, asked=asked)
+            assert measures_nothing(count, every, asked) == (not plan.norms and not plan.sample), (count, asked)
 
 
 def test_every_step_is_on_the_cadence_of_one() -> None:
