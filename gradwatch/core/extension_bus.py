@@ -73,23 +73,24 @@ class ExtensionBus:
 
     def find(self, cls: type[_E]) -> _E | None:
         """The attached extension of type ``cls`` (or a subclass), or None."""
-        self._current()
+        if self._resolved_for != len(self.items):
+            self._forget()
         try:
             return self._found[cls]
         except KeyError:
             found = self._found[cls] = next((e for e in self.items if isinstance(e, cls)), None)
             return found
 
-    def _current(self) -> None:
-        """Forget what was resolved when the extensions changed since."""
-        if self._resolved_for != len(self.items):
-            self._methods = {}
-            self._found = {}
-            self._resolved_for = len(self.items)
+    def _forget(self) -> None:
+        """The extensions changed since they were resolved: resolve them again."""
+        self._methods = {}
+        self._found = {}
+        self._resolved_for = len(self.items)
 
     def methods(self, method: str) -> list[tuple[Any, Any]]:
         """``(extension, bound method)`` of every extension that defines ``method``, in the order added."""
-        self._current()
+        if self._resolved_for != len(self.items):
+            self._forget()
         found = self._methods.get(method)
         if found is None:
             found = self._methods[method] = [

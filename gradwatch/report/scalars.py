@@ -35,10 +35,7 @@ class StepScalars:
     ) -> dict[str, float]:
         """The scalars of ``stats``; ``every_value`` (a step with findings) writes every one."""
         i = stats.optimizer_index
-        tags = self._tags.get(i)
-        if tags is None:
-            suffix = f"_opt{i}" if self.several_optimizers else ""
-            tags = self._tags[i] = (f"gradwatch/grad_norm/total{suffix}", f"gradwatch/loss{suffix}")
+        tags = self._tags.get(i) or self._new_tags(i)
         out: dict[str, float] = {}
         if stats.names:
             out[tags[0]] = stats.total_norm
@@ -54,14 +51,25 @@ class StepScalars:
             out.update(more)
         return out
 
+    def _new_tags(self, i: int) -> tuple[str, str]:
+        """Optimizer ``i``'s total-norm and loss tags (``_opt{i}`` with several optimizers: a GAN's two series)."""
+        suffix = f"_opt{i}" if self.several_optimizers else ""
+        tags = self._tags[i] = (f"gradwatch/grad_norm/total{suffix}", f"gradwatch/loss{suffix}")
+        return tags
+
     def _counters(
         self, out: dict[str, float], full: bool, skipped: int, nonfinite: int, kind_counts: Mapping[str, int]
     ) -> None:
         """The counters due: all of them at a full step, else those that changed since they were written."""
         counted = self._counted
-        if not full and counted is not None and counted[0] == skipped and counted[1] == nonfinite:
-            if counted[2] == kind_counts:
-                return  # the usual step: nothing new counted
+        unchanged = (  # (``items()`` compared: a C comparison, where a Counter's ``==`` is a Python call)
+            counted is not None
+            and counted[0] == skipped
+            and counted[1] == nonfinite
+            and counted[2].items() == kind_counts.items()
+        )
+        if unchanged and not full:
+            return  # the usual step: nothing new counted, so each counter equals the value written last
         self._counted = (skipped, nonfinite, dict(kind_counts))
         counters = {"gradwatch/skipped_steps": float(skipped), "gradwatch/nonfinite_grads": float(nonfinite)}
         for kind, n in kind_counts.items():
