@@ -23,6 +23,7 @@ from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.diagnose.capture import Call
 from gradwatch.diagnose.replay import (
     CollectiveInReplay,
+    apply_replaced,
     autocast,
     no_collectives,
     preserved,
@@ -79,7 +80,6 @@ def _segment_module(fn: Any) -> nn.Module | None:
 def _recording_cuts(cls: Any, seen: list[Any]) -> Iterator[None]:
     """``CheckpointFunction.apply`` records, into ``seen``, the functions it runs on inputs none of which
     requires grad (with grad enabled); the original is put back afterwards."""
-    own = cls.__dict__.get("apply")
     original = cls.apply
 
     def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
@@ -87,14 +87,8 @@ def _recording_cuts(cls: Any, seen: list[Any]) -> Iterator[None]:
             seen.append(function)
         return original(function, preserve_rng_state, *args)
 
-    cls.apply = staticmethod(apply)
-    try:
+    with apply_replaced(cls, apply):
         yield
-    finally:
-        if own is None:
-            del cls.apply
-        else:
-            cls.apply = own
 
 
 def _cut_segments(seen: list[Any], index: Any) -> dict[str, list[str]]:

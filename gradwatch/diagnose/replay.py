@@ -169,11 +169,19 @@ def checkpoint_not_reentrant() -> Iterator[None]:
     if cls is None or not callable(getattr(cp, "checkpoint", None)):
         yield
         return
-    own = cls.__dict__.get("apply")
 
     def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
         return cp.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
+    with apply_replaced(cls, apply):
+        yield
+
+
+@contextlib.contextmanager
+def apply_replaced(cls: Any, apply: Callable[..., Any]) -> Iterator[None]:
+    """``cls.apply`` (an autograd Function's, e.g. ``CheckpointFunction``) is ``apply`` inside; afterwards
+    the class's own is put back, or the inherited one shows through again."""
+    own = cls.__dict__.get("apply")
     cls.apply = staticmethod(apply)
     try:
         yield
