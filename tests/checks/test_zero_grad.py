@@ -581,7 +581,8 @@ def test_a_one_off_run_of_cleared_backward_passes_between_steps_is_silent() -> N
     assert kinds(gw) == []
 
 
-def test_lbfgs_closure_is_silent() -> None:
+def _lbfgs(clear: Callable[[nn.Module, torch.optim.Optimizer], None]) -> gradwatch.Watcher:
+    """Three LBFGS steps (max_iter=4: several closure evaluations per step); ``clear`` opens the closure."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
@@ -589,53 +590,37 @@ def test_lbfgs_closure_is_silent() -> None:
         for x in batches(3):
 
             def closure(x: torch.Tensor = x) -> torch.Tensor:
-                opt.zero_grad()
+                clear(model, opt)
                 loss = model(x).pow(2).mean()
                 loss.backward()
                 return loss
 
             opt.step(closure)
-    assert kinds(gw) == []
+    return gw
+
+
+def test_lbfgs_closure_is_silent() -> None:
+    assert kinds(_lbfgs(lambda model, opt: opt.zero_grad())) == []
 
 
 # LBFGS evaluates the closure several times within step 0 already (max_iter=4): a closure without
 # zero_grad() adds each evaluation's gradient onto the last one's from the first step on.
 def test_zero_grad_missing_in_an_lbfgs_closure_is_flagged_at_step_0() -> None:
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-    with gradwatch.watch(model, opt, console=False) as gw:
-        for x in batches(3):
-
-            def closure(x: torch.Tensor = x) -> torch.Tensor:
-                loss = model(x).pow(2).mean()
-                loss.backward()
-                return loss
-
-            opt.step(closure)
+    gw = _lbfgs(lambda model, opt: None)
     assert kinds(gw) == [("zero_grad_missing", 0)]
     text = gw.findings[0].message
     assert "optimizer 0 (LBFGS) evaluated its closure a second time at step 0" in text
     assert "call optimizer.zero_grad() at the top of the closure" in text
 
 
+def _zero_through_data(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.data.zero_()  # no version bump: only the value tells
+
+
 def test_lbfgs_closure_clearing_through_data_is_silent() -> None:
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-    with gradwatch.watch(model, opt, console=False) as gw:
-        for x in batches(3):
-
-            def closure(x: torch.Tensor = x) -> torch.Tensor:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.data.zero_()  # no version bump: only the value tells
-                loss = model(x).pow(2).mean()
-                loss.backward()
-                return loss
-
-            opt.step(closure)
-    assert kinds(gw) == []
+    assert kinds(_lbfgs(_zero_through_data)) == []
 
 
 def test_gan_with_d_stepping_five_times_per_g_step_is_silent() -> None:
