@@ -302,31 +302,34 @@ def _fused_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
     return torch.stack(torch._foreach_norm(tensors, 2)).float()
 
 
+#: On the CPU, a float32 gradient of at least this many elements gets its sum of squares from a BLAS dot
+#: product, which runs on the intra-op threads at memory speed; ``_foreach_norm`` runs one reduction kernel
+#: per tensor, about half as fast on large ones (see docs/performance.md). Smaller gradients stay in the
+#: fused call, where a Python call per tensor would cost more than it saves.
+DOT_MIN_NUMEL = 1 << 16
+
+
 def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> list[tuple[int, list[int]]] | None:
     """Fast path of :func:`queue_grad_norms` for the usual step: every gradient of optimizer ``op`` present.
 
     When the optimizer's parameters share one device and floating dtype (a gradient always has its
-    parameter's), all norms come from one fused call with no per-gradient Python work. Returns None
-    when that does not apply (mixed devices or dtypes, sparse or sharded gradients): use the general path.
+    parameter's), all norms come from one fused call with no per-gradient Python work (on the CPU, large
+    float32 gradients from one dot product each, see :data:`DOT_MIN_NUMEL`). Returns None when that does
+    not apply (mixed devices or dtypes, sparse or sharded gradients): use the general path.
     """
     plan = getattr(op, "_norm_plan", None)
     if plan is None or plan[0] is not op.params:
-        params = op.params
-        dtensor_module = sys.modules.get("torch.distributed.tensor")
-        dtensor = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
-        uniform = (
-            _HAS_FOREACH_NORM
-            and bool(params)
-            and len({(p.device, p.dtype) for p in params}) == 1
-            and params[0].dtype.is_floating_point
-            and not params[0].is_meta
-            and not (dtensor is not None and any(isinstance(p, dtensor) for p in params))  # sharded: general path
-        )
-        plan = (params, uniform, list(range(len(params))), params[0].dtype if params else None)
-        op._norm_plan = plan
+        plan = op._norm_plan = _plan_norms(op.params)
     if not plan[1]:
         return None
-    params_dtype = plan[3]
+    order, params_dtype, large, small = plan[2], plan[3], plan[4], plan[5]
+    if large:
+        try:
+            return [(batch.add(_dot_norms(grads, large, small)), order)]
+        except (RuntimeError, NotImplementedError, TypeError):
+            # A gradient with no flat view (not contiguous: a channels_last convolution's, a transposed copy):
+            # this optimizer's norms come from the fused call from now on.
+            plan = op._norm_plan = (*plan[:2], list(range(len(plan[0]))), params_dtype, [], [])
     try:
         # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True),
         # parameters moved to different devices or dtypes after the plan was made).
@@ -334,6 +337,42 @@ def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> lis
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return [(batch.add(stacked), plan[2])]
+
+
+def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
+    """``(params, uniform, order, dtype, large, small)`` for :func:`queue_all_norms` (made once per parameter list)."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
+    uniform = (
+        _HAS_FOREACH_NORM
+        and bool(params)
+        and len({(p.device, p.dtype) for p in params}) == 1
+        and params[0].dtype.is_floating_point
+        and not params[0].is_meta
+        and not (dtensor is not None and any(isinstance(p, dtensor) for p in params))  # sharded: general path
+    )
+    dtype = params[0].dtype if params else None
+    large: list[int] = []
+    if uniform and dtype is torch.float32 and params[0].device.type == "cpu":
+        large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
+    chosen = set(large)
+    small = [i for i in range(len(params)) if i not in chosen] if large else []
+    order = large + small if large else list(range(len(params)))
+    return (params, uniform, order, dtype, large, small)
+
+
+def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int]) -> torch.Tensor:
+    """Norms of ``grads[large]`` (BLAS dot products), then of ``grads[small]`` (fused), as one float32 vector.
+
+    The dot products are sums of squares in float32, as the fused kernel's: a norm past float32's range
+    reads as inf in both, and NaN/Inf elements give a non-finite norm in both.
+    """
+    dot = torch.dot
+    squares = [dot(v, v) for v in [grads[i].view(-1) for i in large]]
+    norms = torch.stack(squares).sqrt_()
+    if small:
+        norms = torch.cat([norms, torch.stack(torch._foreach_norm([grads[i] for i in small], 2, dtype=torch.float32))])
+    return norms
 
 
 def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
