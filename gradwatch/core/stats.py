@@ -367,12 +367,15 @@ def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int]) ->
     The dot products are sums of squares in float32, as the fused kernel's: a norm past float32's range
     reads as inf in both, and NaN/Inf elements give a non-finite norm in both.
     """
-    dot = torch.dot
-    squares = [dot(v, v) for v in [grads[i].view(-1) for i in large]]
-    norms = torch.stack(squares).sqrt_()
+    views = list(map(_FLAT, map(grads.__getitem__, large)))  # C loops: this runs every step
+    norms = torch.stack(list(map(torch.dot, views, views))).sqrt_()
     if small:
-        norms = torch.cat([norms, torch.stack(torch._foreach_norm([grads[i] for i in small], 2, dtype=torch.float32))])
+        rest = torch._foreach_norm(list(map(grads.__getitem__, small)), 2, dtype=torch.float32)
+        norms = torch.cat([norms, torch.stack(rest)])
     return norms
+
+
+_FLAT = operator.methodcaller("view", -1)
 
 
 def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
