@@ -152,6 +152,43 @@ def test_an_extension_that_fails_is_reported_once_and_the_others_still_run() -> 
     assert len([w for w in caught if issubclass(w.category, GradWatchInternalWarning)]) == 1
 
 
+def test_a_check_that_raises_is_reported_once_and_the_checks_and_remembers_after_it_still_run() -> None:
+    from gradwatch.checks import CheckTable
+    from gradwatch.core.config import Config
+    from gradwatch.core.history import History
+    from gradwatch.core.step_pipeline import run_checks
+
+    log: list[str] = []
+
+    def check(name: str, fail: bool = False) -> Any:
+        def fn(stats: Any, history: Any, config: Any) -> list[str]:
+            log.append(name)
+            if fail:
+                raise ZeroDivisionError(name)
+            return [f"found by {name}"]
+
+        return fn
+
+    def remember(name: str, fail: bool = False) -> Any:
+        def fn(stats: Any, history: Any) -> None:
+            log.append(f"{name}.remember")
+            if fail:
+                raise KeyError(name)
+
+        return fn
+
+    table = CheckTable([("a", check("a"), remember("a")), ("b", check("b", True), remember("b", True)),
+                        ("c", check("c"), None), ("d", check("d", True), remember("d")), ("e", check("e"), None)])
+    owner = _Target()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = [run_checks(table, StepStats(step=s), History(), Config(), owner) for s in range(2)]
+    assert found == [["found by a", "found by c", "found by e"]] * 2
+    assert log == ["a", "b", "c", "d", "e", "a.remember", "b.remember", "d.remember"] * 2
+    told = [str(w.message) for w in caught if issubclass(w.category, GradWatchInternalWarning)]
+    assert len(told) == 2 and "check b:" in told[0] and "check d:" in told[1], told
+
+
 class _ScalarsSeen:
     def __init__(self) -> None:
         self.steps: list[int] = []

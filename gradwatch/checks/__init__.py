@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import operator
 import pkgutil
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
+from gradwatch.core.compat import call
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Finding
 from gradwatch.core.history import History
@@ -88,7 +88,7 @@ class CheckTable:
 
     def plan(self, stats: StepStats) -> tuple[list[tuple[str, CheckFn]], list[tuple[str, RememberFn]]]:
         """``(name, check)`` of the checks to run on this step, and ``(name, remember)`` of their ``remember``."""
-        facts = tuple(map(operator.call, _HOLDS, itertools.repeat(stats)))  # C loops
+        facts = tuple(map(call, _HOLDS, itertools.repeat(stats)))  # C loops
         plan = self._plans.get(facts)
         if plan is None:
             run = [m for m in self.modules if not m.when or any(facts[_FACT_INDEX[f]] for f in m.when)]

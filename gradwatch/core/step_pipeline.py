@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.core.compat import call
 from gradwatch.core.config import Config
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
@@ -121,21 +122,35 @@ def _fill_nonfinite(stats: StepStats, norms: list[float], grads: list[torch.Tens
 def run_checks(checks: CheckTable, stats: StepStats, history: History, config: Config, owner: Any) -> list[Finding]:
     """The step's checks (see :meth:`CheckTable.plan`), then their ``remember``; a check that fails is reported once."""
     run, remembering = checks.plan(stats)
-    findings: list[Finding] = []
-    for name, fn in run:
+    found: list[list[Finding]] = []
+    _each(found, run, (stats, history, config), "check {}", "check {}", owner)
+    _each([], remembering, (stats, history), "check {}.remember", "check {}", owner)
+    return [f for some in found if some for f in some]
+
+
+def _each(out: list[Any], fns: list[tuple[str, Any]], args: tuple[Any, ...], where: str, key: str, owner: Any) -> None:
+    """Call each ``(name, fn)`` of ``fns`` in order with ``args``, results into ``out``; one that raises is reported
+    once (``where``/``key`` formatted with its name) and the next ones still run.
+
+    ``list.extend`` keeps what it appended before an exception, so ``len(out)`` names the one that raised: the
+    usual step runs every call in one C loop.
+    """
+    start = len(out)
+    done = 0
+    while done < len(fns):
+        calls = map(call, map(_FN, fns[done:] if done else fns), *map(itertools.repeat, args))
         try:
-            found = fn(stats, history, config)
+            out.extend(calls)
+            return
         except Exception as exc:  # noqa: BLE001
-            internal_warning(f"check {name}", exc, owner=owner)
-            continue
-        if found:
-            findings.extend(found)
-    for name, remember in remembering:
-        try:
-            remember(stats, history)
-        except Exception as exc:  # noqa: BLE001
-            internal_warning(f"check {name}.remember", exc, owner=owner, key=f"check {name}")
-    return findings
+            failed = len(out) - start
+            name = fns[failed][0]
+            internal_warning(where.format(name), exc, owner=owner, key=None if where == key else key.format(name))
+            out.append(None)
+            done = failed + 1
+
+
+_FN = operator.itemgetter(1)
 
 
 def fold_restated(findings: list[Finding], extra: list[Finding]) -> list[Finding]:
