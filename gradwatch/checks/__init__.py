@@ -58,6 +58,15 @@ class CheckModule(NamedTuple):
     when: tuple[str, ...] = ()
 
 
+class Plan(NamedTuple):
+    """The checks a step runs, in order, and the ``remember`` of those that have one (names aligned)."""
+
+    check_names: list[str]
+    checks: list[CheckFn]
+    remember_names: list[str]
+    remembers: list[RememberFn]
+
+
 class CheckTable:
     """The checks of an engine, in order, and which of them a step runs (see ``WHEN``).
 
@@ -67,7 +76,7 @@ class CheckTable:
 
     def __init__(self, modules: Iterable[Any]) -> None:
         self.modules: list[CheckModule] = []
-        self._plans: dict[tuple[bool, ...], tuple[list[tuple[str, CheckFn]], list[tuple[str, RememberFn]]]] = {}
+        self._plans: dict[tuple[bool, ...], Plan] = {}
         for m in modules:
             self.append(m)
 
@@ -86,15 +95,15 @@ class CheckTable:
     def __len__(self) -> int:
         return len(self.modules)
 
-    def plan(self, stats: StepStats) -> tuple[list[tuple[str, CheckFn]], list[tuple[str, RememberFn]]]:
-        """``(name, check)`` of the checks to run on this step, and ``(name, remember)`` of their ``remember``."""
+    def plan(self, stats: StepStats) -> Plan:
+        """The checks to run on this step, and their ``remember``."""
         facts = tuple(map(call, _HOLDS, itertools.repeat(stats)))  # C loops
         plan = self._plans.get(facts)
         if plan is None:
             run = [m for m in self.modules if not m.when or any(facts[_FACT_INDEX[f]] for f in m.when)]
-            plan = self._plans[facts] = (
-                [(m.name, m.check) for m in run],
-                [(m.name, m.remember) for m in run if m.remember is not None],
+            keep = [m for m in run if m.remember is not None]
+            plan = self._plans[facts] = Plan(
+                [m.name for m in run], [m.check for m in run], [m.name for m in keep], [m.remember for m in keep]
             )
         return plan
 

@@ -7,9 +7,10 @@ extension is reported once and the step goes on without it; a :class:`GradWatchE
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol, TypeVar
 
-from gradwatch.core.failures import internal_warning
+from gradwatch.core.failures import call_each, internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats
 
@@ -45,6 +46,7 @@ class ExtensionBus:
         # once, not with a ``getattr`` per extension per call (three calls a step): resolved again when
         # ``items`` changes length (``add``, a failed attach, or the engine's ``extensions`` edited in place).
         self._methods: dict[str, list[tuple[Any, Any]]] = {}
+        self._fns: dict[str, list[Any]] = {}  # per method name: the bound methods alone (what ``call`` calls)
         self._found: dict[type, Any] = {}  # find()'s answers, by class
         self._resolved_for = 0
 
@@ -84,6 +86,7 @@ class ExtensionBus:
     def _forget(self) -> None:
         """The extensions changed since they were resolved: resolve them again."""
         self._methods = {}
+        self._fns = {}
         self._found = {}
         self._resolved_for = len(self.items)
 
@@ -100,13 +103,17 @@ class ExtensionBus:
 
     def call(self, method: str, *args: Any) -> None:
         """``method(*args)`` on every extension that defines it."""
-        for ext, fn in self.methods(method):
-            try:
-                fn(*args)
-            except GradWatchError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                internal_warning(f"{type(ext).__name__}.{method}", exc, owner=self.owner, key=type(ext).__name__)
+        if self._resolved_for != len(self.items):
+            self._forget()
+        fns = self._fns.get(method)
+        if fns is None:
+            fns = self._fns[method] = [fn for _ext, fn in self.methods(method)]
+        if fns:
+            call_each(fns, args, functools.partial(self._failed, method), passes=(GradWatchError,))
+
+    def _failed(self, method: str, i: int, exc: Exception) -> None:
+        ext = self._methods[method][i][0]
+        internal_warning(f"{type(ext).__name__}.{method}", exc, owner=self.owner, key=type(ext).__name__)
 
     def on_incident(self, stats: StepStats, findings: list[Finding]) -> list[Finding]:
         """Every extension's ``on_incident`` findings, each seeing those found before it."""

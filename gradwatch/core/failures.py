@@ -2,9 +2,10 @@
 
 :func:`internal_warning` reports an exception caught inside gradwatch once per place (as a
 :class:`GradWatchInternalWarning`), :func:`safe_warn` warns without letting a warnings filter set to "error"
-raise into the loop, and :func:`host_rng_kept` puts the user's Python and NumPy random state back around
+raise into the loop, :func:`call_each` calls a list of functions so that one failing leaves the others running,
+and :func:`host_rng_kept` puts the user's Python and NumPy random state back around
 gradwatch's own work. Every part (observers, checks, diagnosis, reporters) uses these; they import nothing of
-gradwatch.
+gradwatch but :mod:`gradwatch.core.compat`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from typing import Any
+
+from gradwatch.core.compat import call
 
 
 class GradWatchInternalWarning(RuntimeWarning):
@@ -102,3 +106,30 @@ def host_rng_kept() -> Iterator[None]:
         random.setstate(state)
         if np_state is not None:
             np.random.set_state(np_state)
+
+
+def call_each(
+    fns: Sequence[Callable[..., Any]],
+    args: tuple[Any, ...],
+    failed: Callable[[int, Exception], None],
+    passes: tuple[type[BaseException], ...] = (),
+) -> list[Any]:
+    """``[fn(*args) for fn in fns]``, where a function that raises gets None: ``failed(its index, the exception)``
+    is called and the next ones still run. Exceptions of a ``passes`` type propagate.
+
+    The usual call runs every function in one C loop (``list.extend`` keeps what it appended before an
+    exception, so the length of the result names the function that raised).
+    """
+    out: list[Any] = []
+    done = 0
+    while done < len(fns):
+        try:
+            out.extend(map(call, fns[done:] if done else fns, *map(repeat, args)))
+            break
+        except passes:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            done = len(out) + 1
+            failed(done - 1, exc)
+            out.append(None)
+    return out

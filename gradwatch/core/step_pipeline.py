@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradwatch.core.compat import call
 from gradwatch.core.config import Config
-from gradwatch.core.failures import internal_warning
+from gradwatch.core.failures import call_each, internal_warning
 from gradwatch.core.findings import Finding
 from gradwatch.core.history import History
 from gradwatch.core.params import OptimizerParams
@@ -121,36 +120,18 @@ def _fill_nonfinite(stats: StepStats, norms: list[float], grads: list[torch.Tens
 
 def run_checks(checks: CheckTable, stats: StepStats, history: History, config: Config, owner: Any) -> list[Finding]:
     """The step's checks (see :meth:`CheckTable.plan`), then their ``remember``; a check that fails is reported once."""
-    run, remembering = checks.plan(stats)
-    found: list[list[Finding]] = []
-    _each(found, run, (stats, history, config), "check {}", "check {}", owner)
-    _each([], remembering, (stats, history), "check {}.remember", "check {}", owner)
+    plan = checks.plan(stats)
+
+    def check_failed(i: int, exc: Exception) -> None:
+        internal_warning(f"check {plan.check_names[i]}", exc, owner=owner)
+
+    def remember_failed(i: int, exc: Exception) -> None:
+        name = plan.remember_names[i]
+        internal_warning(f"check {name}.remember", exc, owner=owner, key=f"check {name}")
+
+    found = call_each(plan.checks, (stats, history, config), check_failed)
+    call_each(plan.remembers, (stats, history), remember_failed)
     return [f for some in found if some for f in some]
-
-
-def _each(out: list[Any], fns: list[tuple[str, Any]], args: tuple[Any, ...], where: str, key: str, owner: Any) -> None:
-    """Call each ``(name, fn)`` of ``fns`` in order with ``args``, results into ``out``; one that raises is reported
-    once (``where``/``key`` formatted with its name) and the next ones still run.
-
-    ``list.extend`` keeps what it appended before an exception, so ``len(out)`` names the one that raised: the
-    usual step runs every call in one C loop.
-    """
-    start = len(out)
-    done = 0
-    while done < len(fns):
-        calls = map(call, map(_FN, fns[done:] if done else fns), *map(itertools.repeat, args))
-        try:
-            out.extend(calls)
-            return
-        except Exception as exc:  # noqa: BLE001
-            failed = len(out) - start
-            name = fns[failed][0]
-            internal_warning(where.format(name), exc, owner=owner, key=None if where == key else key.format(name))
-            out.append(None)
-            done = failed + 1
-
-
-_FN = operator.itemgetter(1)
 
 
 def fold_restated(findings: list[Finding], extra: list[Finding]) -> list[Finding]:

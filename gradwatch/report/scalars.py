@@ -22,7 +22,8 @@ class StepScalars:
     def __init__(self, layer_every: int, several_optimizers: bool) -> None:
         self.layer_every = layer_every
         self.several_optimizers = several_optimizers
-        self._layer_tags: dict[str, str] = {}
+        self._layer_names: tuple[str, ...] = ()
+        self._layer_tag_list: list[str] = []
         self._last_counters: dict[str, float] = {}
         self._scalar_steps: dict[int, int] = {}
         self._tags: dict[int, tuple[str, str]] = {}  # per optimizer: (total norm tag, loss tag)
@@ -80,12 +81,12 @@ class StepScalars:
                 out[tag] = last[tag] = v
 
     def _layers(self, stats: StepStats, out: dict[str, float]) -> None:
-        tags = self._layer_tags
-        for layer, v in stats.layer_norms.items():
-            tag = tags.get(layer)
-            if tag is None:
-                tag = tags[layer] = f"gradwatch/grad_norm/{layer}"
-            out[tag] = v
+        norms = stats.layer_norms
+        layers = tuple(norms)
+        if layers != self._layer_names:  # the same layers, in the same order, at almost every step
+            self._layer_names = layers
+            self._layer_tag_list = [f"gradwatch/grad_norm/{layer}" for layer in layers]
+        out.update(zip(self._layer_tag_list, norms.values()))
 
 
 class NormSample:
