@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 from helpers import plain_console
 from torch import nn
@@ -42,13 +43,36 @@ def _expected(params: list[torch.Tensor]) -> list[float]:
     return [10.0 ** (i - 3) * math.sqrt(p.numel()) for i, p in enumerate(params)]
 
 
-def test_large_and_small_gradients_each_get_their_own_norm_in_the_parameters_order() -> None:
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(7,), (BIG, BIG), (BIG,), (BIG, BIG), (3, 5), (BIG * BIG,)],
+        [(BIG, BIG), (BIG,), (BIG, BIG), (BIG,)],  # Linear layers: weight, bias, weight, bias
+        [(BIG, BIG), (BIG, BIG), (BIG,)],
+        [(BIG, BIG), (BIG, BIG)],
+    ],
+)
+def test_large_and_small_gradients_each_get_their_own_norm_in_the_parameters_order(shapes: list[tuple[int, ...]]) -> None:
     assert BIG * BIG >= DOT_MIN_NUMEL
-    params = _params([(7,), (BIG, BIG), (BIG,), (BIG, BIG), (3, 5), (BIG * BIG,)])
+    params = _params(shapes)
     got = _read(params)
     assert got is not None
     for g, want in zip(got, _expected(params)):
         assert math.isclose(g, want, rel_tol=1e-4), (got, _expected(params))
+
+
+def test_each_layer_of_a_watched_mlp_gets_its_own_gradient_norm() -> None:
+    model = nn.Sequential(nn.Linear(BIG, BIG), nn.Linear(BIG, BIG), nn.Linear(BIG, BIG))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, 10.0 ** i)
+        opt.step()
+    layers = gw.engine.history.last[0].layer_norms
+    want = {f"{k}": math.sqrt(BIG * BIG * 10.0 ** (4 * k) + BIG * 10.0 ** (4 * k + 2)) for k in range(3)}
+    assert set(layers) == set(want)
+    for k, v in want.items():
+        assert math.isclose(layers[k], v, rel_tol=1e-4), (layers, want)
 
 
 def test_a_nonfinite_large_gradient_reads_as_a_nonfinite_norm_and_leaves_the_others_alone() -> None:

@@ -325,22 +325,24 @@ def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> lis
     order, params_dtype, large, small = plan[2], plan[3], plan[4], plan[5]
     if large:
         try:
-            return [(batch.add(_dot_norms(grads, large, small)), order)]
+            return [(batch.add(_dot_norms(grads, large, small, plan[6])), order)]
         except (RuntimeError, NotImplementedError, TypeError):
             # A gradient with no flat view (not contiguous: a channels_last convolution's, a transposed copy):
             # this optimizer's norms come from the fused call from now on.
-            plan = op._norm_plan = (*plan[:2], list(range(len(plan[0]))), params_dtype, [], [])
+            plan = op._norm_plan = (*plan[:4], [], [], None)
     try:
         # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True),
         # parameters moved to different devices or dtypes after the plan was made).
         stacked = _fused_norms(grads, params_dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return [(batch.add(stacked), plan[2])]
+    return [(batch.add(stacked), order)]
 
 
 def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
-    """``(params, uniform, order, dtype, large, small)`` for :func:`queue_all_norms` (made once per parameter list)."""
+    """``(params, uniform, order, dtype, large, small, back)`` for :func:`queue_all_norms`, made once per
+    parameter list: ``large`` and ``small`` split the positions for :func:`_dot_norms`, ``back`` puts its
+    norms back in the parameters' order (None when they are in it already)."""
     dtensor_module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
     uniform = (
@@ -352,17 +354,20 @@ def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
         and not (dtensor is not None and any(isinstance(p, dtensor) for p in params))  # sharded: general path
     )
     dtype = params[0].dtype if params else None
+    order = list(range(len(params)))
     large: list[int] = []
     if uniform and dtype is torch.float32 and params[0].device.type == "cpu":
         large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
     chosen = set(large)
-    small = [i for i in range(len(params)) if i not in chosen] if large else []
-    order = large + small if large else list(range(len(params)))
-    return (params, uniform, order, dtype, large, small)
+    small = [i for i in order if i not in chosen] if large else []
+    computed = large + small
+    back = None if computed == order else torch.tensor(sorted(order, key=computed.__getitem__))
+    return (params, uniform, order, dtype, large, small, back)
 
 
-def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int]) -> torch.Tensor:
-    """Norms of ``grads[large]`` (BLAS dot products), then of ``grads[small]`` (fused), as one float32 vector.
+def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int], back: torch.Tensor | None) -> torch.Tensor:
+    """Norms of ``grads[large]`` (BLAS dot products), then of ``grads[small]`` (fused), as one float32 vector;
+    in the order of ``grads`` when ``back`` is given (the positions to take them from).
 
     The dot products are sums of squares in float32, as the fused kernel's: a norm past float32's range
     reads as inf in both, and NaN/Inf elements give a non-finite norm in both.
@@ -372,7 +377,7 @@ def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int]) ->
     if small:
         rest = torch._foreach_norm(list(map(grads.__getitem__, small)), 2, dtype=torch.float32)
         norms = torch.cat([norms, torch.stack(rest)])
-    return norms
+    return norms if back is None else norms[back]
 
 
 _FLAT = operator.methodcaller("view", -1)
@@ -394,13 +399,23 @@ def local_shards(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 def read_grad_norms(values: list[list[float]], slots: list[tuple[int, list[int]]], n: int) -> list[float]:
     if len(slots) == 1 and len(slots[0][1]) == n and len(values[slots[0][0]]) == n:
         slot, idx = slots[0]
-        if idx[-1] == n - 1 and idx[0] == 0:  # every gradient in one slot, in order (the fast path)
+        if idx == _in_order(n):  # every gradient in one slot, in order (the fast path; a C comparison)
             return list(values[slot])
     norms = [0.0] * n
     for slot, idx in slots:
         for pos, i in enumerate(idx):
             norms[i] = values[slot][pos]
     return norms
+
+
+_IN_ORDER: list[list[int]] = [[]]
+
+
+def _in_order(n: int) -> list[int]:
+    """``list(range(n))``, kept: the positions of a slot that holds every gradient in order."""
+    if len(_IN_ORDER[0]) != n:
+        _IN_ORDER[0] = list(range(n))
+    return _IN_ORDER[0]
 
 
 #: Before Python 3.12, ``sum()`` of floats adds them in order into a C double: the very digits of the
