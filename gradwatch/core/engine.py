@@ -262,7 +262,7 @@ class Engine:
         self, ctx: StepContext, norm_slots: list[tuple[int, list[int]]], loss_slot: int
     ) -> tuple[StepStats, list[Finding]]:
         stats, batch = ctx.stats, ctx.batch
-        self.fill(stats, batch, norm_slots, loss_slot, ctx.grads)
+        fill(stats, batch, norm_slots, loss_slot, ctx.grads, self.config.per_layer)
         if ctx.slots.get("stale_loss", -1) >= 0:
             stats.extra["stale_losses"] = batch.resolve()[ctx.slots["stale_loss"]]  # already read: no sync
         self.bus.call("after_sync", ctx)

@@ -43,9 +43,15 @@ class History:
         if skipped or stats.is_nonfinite:
             return
         if stats.names and math.isfinite(stats.total_norm):
-            _window(self.total_norms, i, self.window).append(stats.total_norm)
+            totals = self.total_norms.get(i)
+            if totals is None:  # made on its first use (``setdefault`` would build one every step)
+                totals = self.total_norms[i] = deque(maxlen=self.window)
+            totals.append(stats.total_norm)
             if stats.layer_norms:  # one append per step, not one per layer: this runs on every step
-                _window(self.layer_steps, i, self.window).append(stats.layer_norms)
+                layers = self.layer_steps.get(i)
+                if layers is None:
+                    layers = self.layer_steps[i] = deque(maxlen=self.window)
+                layers.append(stats.layer_norms)
         if stats.loss is not None and math.isfinite(stats.loss):
             if self.losses.maxlen != self.window:
                 self.losses = deque(self.losses, maxlen=self.window)
@@ -85,11 +91,3 @@ class History:
         for k in state.get("reported_sets", ()):
             if k in self.reported:
                 self.reported[k] = frozenset(self.reported[k])
-
-
-def _window(windows: dict[int, deque[Any]], i: int, size: int) -> deque[Any]:
-    """Optimizer ``i``'s rolling window (made on its first use; ``setdefault`` would build one every step)."""
-    found = windows.get(i)
-    if found is None:
-        found = windows[i] = deque(maxlen=size)
-    return found

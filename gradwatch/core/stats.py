@@ -360,7 +360,7 @@ def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
         large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
     chosen = set(large)
     small = [i for i in order if i not in chosen] if large else []
-    computed = large + small
+    computed = large + small if large else order
     back = None if computed == order else torch.tensor(sorted(order, key=computed.__getitem__))
     return (params, uniform, order, dtype, large, small, back)
 

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any, Protocol
 
-from gradwatch.core.failures import GradWatchInternalWarning, internal_warning, safe_warn
+from gradwatch.core.failures import GradWatchInternalWarning, call_each, internal_warning, safe_warn
 from gradwatch.core.findings import Finding
 
 _recreated: set[tuple[str, int]] = set()
@@ -64,6 +64,7 @@ class Reporters:
         # Per method name: ``(reporter, bound method)`` of the reporters that define it, resolved once (the
         # scalars go out every checked step), again whenever ``items`` changes length.
         self._methods: dict[str, list[tuple[Any, Any]]] = {}
+        self._fns: dict[str, list[Any]] = {}  # the bound methods alone, aligned with ``_methods``
         self._resolved_for = 0
 
     def add(self, reporter: Any) -> None:
@@ -77,14 +78,19 @@ class Reporters:
         found = self._methods.get(method)
         if found is None:
             found = self._methods[method] = [(r, fn) for r in self.items if (fn := getattr(r, method, None)) is not None]
+            self._fns[method] = [fn for _r, fn in found]
         return found
 
     def call(self, method: str, *args: Any) -> None:
-        for r, fn in self._with(method):
-            try:
-                fn(*args)
-            except Exception as exc:  # noqa: BLE001 - a reporter must never stop training
-                internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
+        found = self._with(method)
+        if not found:
+            return
+
+        def failed(i: int, exc: Exception) -> None:  # a reporter must never stop training
+            r = found[i][0]
+            internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
+
+        call_each(self._fns[method], args, failed)
 
     def findings(self, findings: list[Finding]) -> None:
         """One step's findings: to reporters that take them together (the console groups an incident's
