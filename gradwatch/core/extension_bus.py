@@ -15,6 +15,7 @@ from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats
 
 _E = TypeVar("_E")
+_PASSES = (GradWatchError,)  # an extension's GradWatchError stops the step, as the engine's own does
 
 
 class Extension(Protocol):
@@ -46,7 +47,8 @@ class ExtensionBus:
         # once, not with a ``getattr`` per extension per call (three calls a step): resolved again when
         # ``items`` changes length (``add``, a failed attach, or the engine's ``extensions`` edited in place).
         self._methods: dict[str, list[tuple[Any, Any]]] = {}
-        self._fns: dict[str, list[Any]] = {}  # per method name: the bound methods alone (what ``call`` calls)
+        # Per method name: the bound methods alone (what ``call`` calls), and what reports one that fails.
+        self._fns: dict[str, tuple[list[Any], Any]] = {}
         self._found: dict[type, Any] = {}  # find()'s answers, by class
         self._resolved_for = 0
 
@@ -105,11 +107,12 @@ class ExtensionBus:
         """``method(*args)`` on every extension that defines it."""
         if self._resolved_for != len(self.items):
             self._forget()
-        fns = self._fns.get(method)
-        if fns is None:
-            fns = self._fns[method] = [fn for _ext, fn in self.methods(method)]
-        if fns:
-            call_each(fns, args, functools.partial(self._failed, method), passes=(GradWatchError,))
+        found = self._fns.get(method)
+        if found is None:
+            fns = [fn for _ext, fn in self.methods(method)]
+            found = self._fns[method] = (fns, functools.partial(self._failed, method))
+        if found[0]:
+            call_each(found[0], args, found[1], _PASSES)
 
     def _failed(self, method: str, i: int, exc: Exception) -> None:
         ext = self._methods[method][i][0]

@@ -121,15 +121,32 @@ def call_each(
     exception, so the length of the result names the function that raised).
     """
     out: list[Any] = []
-    done = 0
-    while done < len(fns):
+    try:
+        out.extend(map(call, fns, *map(repeat, args)))
+    except passes:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        _call_rest(fns, args, failed, passes, out, exc)
+    return out
+
+
+def _call_rest(
+    fns: Sequence[Callable[..., Any]],
+    args: tuple[Any, ...],
+    failed: Callable[[int, Exception], None],
+    passes: tuple[type[BaseException], ...],
+    out: list[Any],
+    exc: Exception,
+) -> None:
+    """:func:`call_each` after ``fns[len(out)]`` raised ``exc``: report it, then call the ones after it."""
+    while True:
+        done = len(out) + 1
+        failed(done - 1, exc)
+        out.append(None)
         try:
-            out.extend(map(call, fns[done:] if done else fns, *map(repeat, args)))
-            break
+            out.extend(map(call, fns[done:], *map(repeat, args)))
+            return
         except passes:
             raise
-        except Exception as exc:  # noqa: BLE001
-            done = len(out) + 1
-            failed(done - 1, exc)
-            out.append(None)
-    return out
+        except Exception as again:  # noqa: BLE001
+            exc = again

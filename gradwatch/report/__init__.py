@@ -7,6 +7,7 @@ reporter (a full disk, a closed stdout, a broken writer) is reported once as a
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Protocol
@@ -64,7 +65,7 @@ class Reporters:
         # Per method name: ``(reporter, bound method)`` of the reporters that define it, resolved once (the
         # scalars go out every checked step), again whenever ``items`` changes length.
         self._methods: dict[str, list[tuple[Any, Any]]] = {}
-        self._fns: dict[str, list[Any]] = {}  # the bound methods alone, aligned with ``_methods``
+        self._fns: dict[str, tuple[list[Any], Any]] = {}  # the bound methods alone, and what reports a failure
         self._resolved_for = 0
 
     def add(self, reporter: Any) -> None:
@@ -78,19 +79,17 @@ class Reporters:
         found = self._methods.get(method)
         if found is None:
             found = self._methods[method] = [(r, fn) for r in self.items if (fn := getattr(r, method, None)) is not None]
-            self._fns[method] = [fn for _r, fn in found]
+            self._fns[method] = ([fn for _r, fn in found], functools.partial(self._failed, method))
         return found
 
     def call(self, method: str, *args: Any) -> None:
-        found = self._with(method)
-        if not found:
-            return
+        if self._with(method):
+            fns, failed = self._fns[method]
+            call_each(fns, args, failed)
 
-        def failed(i: int, exc: Exception) -> None:  # a reporter must never stop training
-            r = found[i][0]
-            internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
-
-        call_each(self._fns[method], args, failed)
+    def _failed(self, method: str, i: int, exc: Exception) -> None:  # a reporter must never stop training
+        r = self._methods[method][i][0]
+        internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
 
     def findings(self, findings: list[Finding]) -> None:
         """One step's findings: to reporters that take them together (the console groups an incident's
