@@ -177,6 +177,13 @@ def _due(record: dict[str, Any], low: list[str], n: int) -> set[str]:
     return due.intersection(low)
 
 
+def _none_due(record: dict[str, Any], n: int) -> bool:
+    """True when no run is one step short of either rule, so that :func:`_due` finds no layer whatever is low
+    now (two lookups: the usual step of a layer that stays below)."""
+    t = record["t"]
+    return n > 1 and t - (n - 1) not in record["low"].at and t - (FAST - 1) not in record["far"].at
+
+
 def _has_matrix(stats: StepStats, layer: str) -> bool:
     """Whether the layer holds a parameter of 2+ dimensions (a weight, not only a bias or a scale)."""
     params = stats.extra.get("params") or ()
@@ -197,6 +204,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if facts.lowest >= thr:  # the usual step: no layer below the ratio
         return []
     n = config.window
+    if _none_due(record, n):
+        return []
     values = facts.normalized()
     low = _below(facts, values, thr)  # only a layer below the ratio now can newly sustain it
     due = _due(record, low, n)
@@ -268,6 +277,9 @@ def _advance(record: dict[str, Any], facts: _Relative, thr: float, n: int) -> No
     values = facts.normalized()
     low = set(_below(facts, values, thr))
     far_low = set(_below(facts, values, thr * FAR))
+    if runs.start.keys() == low and far.start.keys() == far_low and t - (FAST - 1) not in far.at:
+        record["t"] = t + 1  # every layer below stays below, no other joins, none is due for the fast rule
+        return
     candidates = far.of_length(FAST - 1, t) & far_low & low
     rel = dict(zip(facts.layers, values)) if candidates else {}
     fast = [k for k in candidates if _fast(rel[k], far.run(k, t), runs.run(k, t), thr, n)]
