@@ -125,11 +125,13 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     # Norms are compared only with steps whose gradients came from about the same tensors: a backbone
     # unfrozen mid-run (or a head joining) adds its gradients to the total, which is no explosion.
     ref = memory.get(_COUNT, _NOTHING).get(i)
-    count = _trainable(stats)
+    count = len(stats.names) + len(stats.none_grad)  # _trainable(stats)
     if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
-        recent = ()
-    elif ref[1] < len(recent):
-        recent = list(recent)[len(recent) - ref[1] :]
+        recent, counted = (), (count, 1)
+    else:
+        counted = (ref[0], ref[1] + 1)
+        if ref[1] < len(recent):
+            recent = list(recent)[len(recent) - ref[1] :]
     # C loops: this runs on every checked step. The logs of positive finite norms are finite: their median
     # is that of trend.median without its filter.
     logs = sorted(map(math.log, filter(_POSITIVE, recent)))
@@ -150,7 +152,8 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         # Sorted. The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
         "param_total": weight_summary(param_norms_of(stats, history))[1],
-        "count": count,
+        # What remember records (the count and the checked steps since), if the reference is still ``ref``.
+        "counted": (ref, counted),
     }
 
 
@@ -158,6 +161,15 @@ def _trainable(stats: StepStats) -> int:
     """The optimizer's trainable tensors (with a gradient this step or not): it changes when layers are
     unfrozen or added, not when experts of a mixture are idle for a step."""
     return len(stats.names) + len(stats.none_grad)
+
+
+def _counted(stats: StepStats, ref: tuple[int, int] | None) -> tuple[int, int]:
+    """The trainable tensors of the reference and the checked steps since, this step recorded: a change by more
+    than COUNT_CHANGE starts them again."""
+    count = _trainable(stats)
+    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
+        return count, 1
+    return ref[0], ref[1] + 1
 
 
 def _spread(facts: dict[str, Any]) -> float:
@@ -414,14 +426,13 @@ def remember(stats: StepStats, history: History) -> None:
     counts = memory.get(_COUNT)
     if counts is None:
         counts = memory[_COUNT] = {}
-    ref = counts.get(i)
-    count = facts["count"]
-    counts[i] = (count, 1) if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0] else (ref[0], ref[1] + 1)
+    ref, counted = facts["counted"]
+    counts[i] = counted if counts.get(i) is ref else _counted(stats, counts.get(i))
     reported = extra.get(_RECORD)
     if isinstance(reported, float):
         records = memory.setdefault(_RECORD, {})
         records[i] = max(reported, records.get(i, reported))
-    if facts["n"] >= MIN_HISTORY and i not in memory.get(_EARLY, _NOTHING) and facts["median"] is not None:
+    if i not in memory.get(_EARLY, _NOTHING) and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
         memory.setdefault(_EARLY, {})[i] = facts["median"]
         peaks = memory.setdefault(_PEAK, {})
         peaks[i] = max(max(facts["logs"]), peaks.get(i, -math.inf))
