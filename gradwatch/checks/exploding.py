@@ -154,6 +154,8 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
         "param_total": weight_summary(param_norms_of(stats, history))[1],
         # What remember records (the count and the checked steps since), if the reference is still ``ref``.
         "counted": (ref, counted),
+        # The spike within the run's range waiting to fall back (None: none), as the check saw it.
+        "pending": memory.get(_PENDING, _NOTHING).get(i),
     }
 
 
@@ -298,7 +300,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _measure(stats, history)
     if facts is None:
         return []
-    pending = history.memory.get(_PENDING, _NOTHING).get(stats.optimizer_index)
+    pending = facts["pending"]
     if pending is None and _quiet(facts, config):
         return []
     _ratio_reference(stats, facts, config)
@@ -417,7 +419,7 @@ def remember(stats: StepStats, history: History) -> None:
     if facts is None:
         return
     note = extra.get(_PENDING)
-    if note is not None or i in memory.get(_PENDING, _NOTHING):
+    if note is not None or facts["pending"] is not None:  # (the same check as i in memory[_PENDING])
         _remember_pending(history, i, facts, note, stats.step)
     try:
         memory[_KEY][i].append(facts)
@@ -432,7 +434,7 @@ def remember(stats: StepStats, history: History) -> None:
     if isinstance(reported, float):
         records = memory.setdefault(_RECORD, {})
         records[i] = max(reported, records.get(i, reported))
-    if i not in memory.get(_EARLY, _NOTHING) and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
+    if facts["early"] is None and facts["n"] >= MIN_HISTORY and facts["median"] is not None:  # i not in _EARLY
         memory.setdefault(_EARLY, {})[i] = facts["median"]
         peaks = memory.setdefault(_PEAK, {})
         peaks[i] = max(max(facts["logs"]), peaks.get(i, -math.inf))

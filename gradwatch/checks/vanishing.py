@@ -280,6 +280,12 @@ def remember(stats: StepStats, history: History) -> None:
     _advance(record, facts, thr, n)
 
 
+def _unchanged(runs: _Runs, far: _Runs, low: set[str], far_low: set[str], t: int) -> bool:
+    """True when recording a step changes no run: every layer below stays below, no other joins, and none is
+    due for the fast rule (the usual step of a layer that stays below)."""
+    return runs.start.keys() == low and far.start.keys() == far_low and t - (FAST - 1) not in far.at
+
+
 def _advance(record: dict[str, Any], facts: _Relative, thr: float, n: int) -> None:
     """One recorded step: each layer below ``thr`` (``thr * FAR``) extends its run or starts one, the others end
     theirs. A layer reported by the fast rule counts as reported by the window rule too (once per run below)."""
@@ -288,8 +294,8 @@ def _advance(record: dict[str, Any], facts: _Relative, thr: float, n: int) -> No
     low = set(_below(facts, values, thr))
     # None is far below when the lowest is not (it is exactly the smallest of ``values``).
     far_low = set(_below(facts, values, thr * FAR)) if facts.lowest < thr * FAR else set()
-    if runs.start.keys() == low and far.start.keys() == far_low and t - (FAST - 1) not in far.at:
-        record["t"] = t + 1  # every layer below stays below, no other joins, none is due for the fast rule
+    if _unchanged(runs, far, low, far_low, t):
+        record["t"] = t + 1
         return
     candidates = far.of_length(FAST - 1, t) & far_low & low
     rel = dict(zip(facts.layers, values)) if candidates else {}
