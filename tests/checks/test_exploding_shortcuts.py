@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from typing import Any
 
 import pytest
@@ -125,10 +126,9 @@ def test_the_short_path_is_taken_on_the_usual_steps(monkeypatch: pytest.MonkeyPa
 def test_the_median_and_excess_are_those_of_the_window(seed: int) -> None:
     rng = random.Random(seed)
     history = History(window=50)
-    for n in range(rng.randrange(0, 60)):
-        history.total_norms.setdefault(0, __import__("collections").deque(maxlen=50)).append(
-            rng.choice([0.0, rng.lognormvariate(0, 3)])
-        )
+    history.total_norms[0] = deque(
+        (rng.choice([0.0, rng.lognormvariate(0, 3)]) for _ in range(rng.randrange(0, 60))), maxlen=50
+    )
     total = rng.choice([0.0, 1.0, rng.lognormvariate(0, 3), math.inf])
     stats = StepStats(step=0, names=["a.weight"], modules=["a"], norms=[total], total_norm=total)
     stats.layer_norms = {"a": total}
