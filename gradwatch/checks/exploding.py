@@ -126,7 +126,7 @@ def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     # unfrozen mid-run (or a head joining) adds its gradients to the total, which is no explosion.
     ref = memory.get(_COUNT, _NOTHING).get(i)
     count = len(stats.names) + len(stats.none_grad)  # _trainable(stats)
-    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
+    if ref is None or (count != ref[0] and abs(count - ref[0]) > COUNT_CHANGE * ref[0]):
         recent, counted = (), (count, 1)
     else:
         counted = (ref[0], ref[1] + 1)
