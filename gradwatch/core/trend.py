@@ -70,17 +70,16 @@ def once_per_check(fn: Callable[[Any, Any], _T]) -> Callable[[Any, Any], _T]:
     the same statistics object, the same history, and the same last recorded step of that history.
     """
     cell: list[tuple[Any, ...]] = [(_gone, _gone, _gone, None)]
-    ref = weakref.ref
 
     @functools.wraps(fn)
     def wrapper(stats: Any, history: Any) -> _T:
         memo = cell[0]  # one read: another thread may replace it, never half of it
-        if memo[0]() is stats and memo[1]() is history and memo[2]() is history.last.get(stats.optimizer_index):
+        last = history.last.get(stats.optimizer_index)
+        if memo[0]() is stats and memo[1]() is history and memo[2]() is last:
             return memo[3]  # type: ignore[no-any-return]
         value = fn(stats, history)
-        last = history.last.get(stats.optimizer_index)
         # Everything weakly but the value: this cell outlives the run, which must not stay alive through it.
-        cell[0] = (ref(stats), ref(history), ref(last) if last is not None else _none, value)
+        cell[0] = (weakref.ref(stats), weakref.ref(history), weakref.ref(last) if last is not None else _none, value)
         return value
 
     return wrapper
