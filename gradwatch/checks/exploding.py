@@ -110,41 +110,52 @@ _WANT = "exploding/want_param_norms"
 _POSITIVE = functools.partial(operator.lt, 0.0)
 
 
+#: An empty mapping to look things up in before their first entry (never written to).
+_NOTHING: dict[Any, Any] = {}
+
+
 @once_per_check
 def _measure(stats: StepStats, history: History) -> dict[str, Any] | None:
     """Config-free facts about this step (the check and ``remember`` both use them)."""
     if not stats.names or stats.is_nonfinite:
         return None
     i = stats.optimizer_index
-    layers = stats.layer_norms or layer_norms(stats.modules, stats.norms)
+    memory = history.memory
     recent = history.total_norms.get(i, ())
     # Norms are compared only with steps whose gradients came from about the same tensors: a backbone
     # unfrozen mid-run (or a head joining) adds its gradients to the total, which is no explosion.
-    ref = history.memory.get(_COUNT, {}).get(i)
-    count = _trainable(stats)
-    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
-        recent = ()
-    elif ref[1] < len(recent):
-        recent = list(recent)[len(recent) - ref[1] :]
-    logs = list(map(math.log, filter(_POSITIVE, recent)))  # C loops: this runs on every checked step
-    m = median(logs)
+    ref = memory.get(_COUNT, _NOTHING).get(i)
+    count = len(stats.names) + len(stats.none_grad)  # _trainable(stats)
+    if ref is None or (count != ref[0] and abs(count - ref[0]) > COUNT_CHANGE * ref[0]):
+        recent, counted = (), (count, 1)
+    else:
+        counted = (ref[0], ref[1] + 1)
+        if ref[1] < len(recent):
+            recent = list(recent)[len(recent) - ref[1] :]
+    # C loops: this runs on every checked step. The logs of positive finite norms are finite: their median
+    # is that of trend.median without its filter.
+    logs = sorted(map(math.log, filter(_POSITIVE, recent)))
+    n = len(logs)
+    m = (logs[n // 2] if n % 2 else 0.5 * (logs[n // 2 - 1] + logs[n // 2])) if n else math.nan
     total = stats.total_norm
-    excess = math.log(total) - m if total > 0 and math.isfinite(total) and math.isfinite(m) else None
+    excess = math.log(total) - m if n and total > 0 and math.isfinite(total) else None
     return {
         "total": total,
-        "layers": layers,
+        "layers": stats.layer_norms or layer_norms(stats.modules, stats.norms),
         "overflow": tuple(stats.overflow_norm),
         "n": len(recent),
-        "median": math.exp(m) if math.isfinite(m) else None,
-        "early": history.memory.get(_EARLY, {}).get(i),
+        "median": math.exp(m) if n else None,
+        "early": memory.get(_EARLY, _NOTHING).get(i),
         "history": weakref.ref(history),  # weakly: once_per_check keeps the latest facts process-wide
         "optimizer": i,
         "excess": excess,
-        # The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
+        # Sorted. The spread (a MAD: two sorts) is computed only for a step that already clears spike_factor.
         "logs": logs,
         "param_total": weight_summary(param_norms_of(stats, history))[1],
-        # Measured at this step (every update_ratio_every steps), or earlier: see _weights_now.
-        "fresh": isinstance(stats.extra.get("param_norms"), dict),
+        # What remember records (the count and the checked steps since), if the reference is still ``ref``.
+        "counted": (ref, counted),
+        # The spike within the run's range waiting to fall back (None: none), as the check saw it.
+        "pending": memory.get(_PENDING, _NOTHING).get(i),
     }
 
 
@@ -152,6 +163,15 @@ def _trainable(stats: StepStats) -> int:
     """The optimizer's trainable tensors (with a gradient this step or not): it changes when layers are
     unfrozen or added, not when experts of a mixture are idle for a step."""
     return len(stats.names) + len(stats.none_grad)
+
+
+def _counted(stats: StepStats, ref: tuple[int, int] | None) -> tuple[int, int]:
+    """The trainable tensors of the reference and the checked steps since, this step recorded: a change by more
+    than COUNT_CHANGE starts them again."""
+    count = _trainable(stats)
+    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
+        return count, 1
+    return ref[0], ref[1] + 1
 
 
 def _spread(facts: dict[str, Any]) -> float:
@@ -194,6 +214,22 @@ def _reasons(facts: dict[str, Any], config: Config) -> list[str]:
     return reasons
 
 
+def _quiet(facts: dict[str, Any], config: Config) -> bool:
+    """True for the usual step, on which no test can fire: :func:`_ratio_reference` would leave the facts as
+    they are and :func:`_reasons` would find none (the same tests, in a few reads)."""
+    total = facts["total"]
+    bound = config.exploding_norm
+    if facts["overflow"]:
+        return False
+    if bound is not None and (total > bound or any(v > bound for v in facts["layers"].values())):
+        return False
+    ratio, pt = config.exploding_ratio, facts["param_total"]
+    if ratio is not None and pt and total > ratio * pt:
+        return False
+    excess = facts["excess"]
+    return facts["n"] < MIN_HISTORY or excess is None or not excess > math.log(config.spike_factor)
+
+
 def _beyond_converged(facts: dict[str, Any]) -> bool:
     """False for a jump of a converged run that stays near the run's own early levels (only asked about
     a step that already clears the spike thresholds)."""
@@ -227,7 +263,8 @@ def _ratio_reference(stats: StepStats, facts: dict[str, Any], config: Config) ->
     if not facts["total"] > ratio * scale:
         facts["init_scale"] = scale  # cleared at that scale alone: no need to read the weights again
         return
-    if not facts["fresh"]:
+    # The weights measured at this step (every update_ratio_every steps), or earlier.
+    if not (facts.get("fresh") or isinstance(stats.extra.get("param_norms"), dict)):
         if config.deferred or not isinstance(params, list):
             stats.extra[_WANT] = True  # a note for remember
             facts["param_total"] = None
@@ -263,9 +300,11 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     facts = _measure(stats, history)
     if facts is None:
         return []
+    pending = facts["pending"]
+    if pending is None and _quiet(facts, config):
+        return []
     _ratio_reference(stats, facts, config)
     reasons = _reasons(facts, config)
-    pending = history.memory.get(_PENDING, {}).get(stats.optimizer_index)
     if pending is not None:
         settled = _pending_verdict(stats, history, facts, reasons, pending, config)
         if settled is not None:
@@ -367,21 +406,47 @@ def _within_range(facts: dict[str, Any], history: History) -> bool:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    remember_param_norms(stats, history, stats.extra.get(_NOW))
-    applied = stats.extra.get(APPLIED)
+    extra = stats.extra
+    memory = history.memory
+    i = stats.optimizer_index
+    remember_param_norms(stats, history, extra.get(_NOW))
+    applied = extra.get(APPLIED)
     if applied is not None:
-        history.memory[APPLIED] = applied
-    if stats.extra.get(_WANT):
-        history.memory.setdefault(WANT_PARAM_NORMS, set()).add(stats.optimizer_index)
+        memory[APPLIED] = applied
+    if extra.get(_WANT):
+        memory.setdefault(WANT_PARAM_NORMS, set()).add(i)
     facts = _measure(stats, history)
     if facts is None:
         return
+    note = extra.get(_PENDING)
+    if note is not None or facts["pending"] is not None:  # (the same check as i in memory[_PENDING])
+        _remember_pending(history, i, facts, note, stats.step)
+    try:
+        memory[_KEY][i].append(facts)
+    except KeyError:
+        memory.setdefault(_KEY, {}).setdefault(i, deque(maxlen=REARM)).append(facts)
+    counts = memory.get(_COUNT)
+    if counts is None:
+        counts = memory[_COUNT] = {}
+    ref, counted = facts["counted"]
+    counts[i] = counted if counts.get(i) is ref else _counted(stats, counts.get(i))
+    reported = extra.get(_RECORD)
+    if isinstance(reported, float):
+        records = memory.setdefault(_RECORD, {})
+        records[i] = max(reported, records.get(i, reported))
+    if facts["early"] is None and facts["n"] >= MIN_HISTORY and facts["median"] is not None:  # i not in _EARLY
+        memory.setdefault(_EARLY, {})[i] = facts["median"]
+        peaks = memory.setdefault(_PEAK, {})
+        peaks[i] = max(max(facts["logs"]), peaks.get(i, -math.inf))
+
+
+def _remember_pending(history: History, i: int, facts: dict[str, Any], note: str | None, step: int) -> None:
+    """A spike within the run's range starts waiting to fall back (``note == "new"``), was reported, fell
+    back (its size joins the run's range), or waits one more checked step."""
     pending = history.memory.setdefault(_PENDING, {})
-    note = stats.extra.get(_PENDING)
-    i = stats.optimizer_index
     if note == "new":
         pending[i] = {
-            "step": stats.step,
+            "step": step,
             "total": facts["total"],
             "median": facts["median"],
             "n": facts["n"],
@@ -398,24 +463,6 @@ def remember(stats: StepStats, history: History) -> None:
             peaks[i] = max(peaks.get(i, -math.inf), math.log(pending.pop(i)["total"]))
         else:
             pending[i]["left"] -= 1
-    per_opt = history.memory.setdefault(_KEY, {})
-    per_opt.setdefault(stats.optimizer_index, deque(maxlen=REARM)).append(facts)
-    counts = history.memory.setdefault(_COUNT, {})
-    ref = counts.get(stats.optimizer_index)
-    count = _trainable(stats)
-    if ref is None or abs(count - ref[0]) > COUNT_CHANGE * ref[0]:
-        counts[stats.optimizer_index] = (count, 1)
-    else:
-        counts[stats.optimizer_index] = (ref[0], ref[1] + 1)
-    reported = stats.extra.get(_RECORD)
-    if isinstance(reported, float):
-        records = history.memory.setdefault(_RECORD, {})
-        records[stats.optimizer_index] = max(reported, records.get(stats.optimizer_index, reported))
-    early = history.memory.setdefault(_EARLY, {})
-    if stats.optimizer_index not in early and facts["n"] >= MIN_HISTORY and facts["median"] is not None:
-        early[stats.optimizer_index] = facts["median"]
-        peaks = history.memory.setdefault(_PEAK, {})
-        peaks[stats.optimizer_index] = max(max(facts["logs"]), peaks.get(stats.optimizer_index, -math.inf))
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,18 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _MOVING_STATE = ("momentum_buffer", "exp_avg", "square_avg", "acc_delta", "exp_inf", "ax", "mu_product")
 
 
-@once_per_check
 def _moved(stats: StepStats, history: History) -> tuple[list[str], list[str]]:
     """Frozen parameters the step will still move, and why (momentum / weight decay)."""
     params = stats.extra.get("params")
     if not isinstance(params, list) or len(params) != len(stats.names) or all(map(_REQUIRES_GRAD, params)):
-        return [], []
+        return [], []  # the usual step: nothing frozen holds a gradient (one C pass, no memo to look up)
+    return _frozen_moved(stats, history)
+
+
+@once_per_check
+def _frozen_moved(stats: StepStats, history: History) -> tuple[list[str], list[str]]:
+    """:func:`_moved` for a step on which a parameter without ``requires_grad`` holds a gradient."""
+    params: list[Any] = stats.extra["params"]
     opt: Any = stats.extra.get("optimizer")
     if opt is None:
         return [], []

@@ -25,7 +25,7 @@ from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, layer_norms
-from gradwatch.core.trend import once_per_check, param_norms_of, quantile, remember_param_norms, weight_summary
+from gradwatch.core.trend import param_norms_of, quantile, remember_param_norms, weight_summary
 
 #: Fewest layers with a measurable relative gradient before layers are compared.
 MIN_LAYERS = 3
@@ -69,11 +69,15 @@ def _aligned(weights: dict[str, float], layers: tuple[str, ...]) -> list[float] 
     return memo[2]  # type: ignore[no-any-return]
 
 
-@once_per_check
 def relative(stats: StepStats, history: History) -> _Relative | None:
     """The layers' relative gradients against the typical layer's (None if unknown)."""
     if not stats.names or stats.is_nonfinite:
         return None
+    return _relative(stats, history)
+
+
+def _relative(stats: StepStats, history: History) -> _Relative | None:
+    """:func:`relative` for a step with finite gradients."""
     weights = weight_summary(param_norms_of(stats, history))[0]
     if not weights:
         return None
@@ -86,12 +90,20 @@ def relative(stats: StepStats, history: History) -> _Relative | None:
     aligned = None
     if not lookups and grads and min(grads) > 0.0 and all(map(math.isfinite, grads)):
         aligned = _aligned(weights, keys)
-    if aligned is not None:  # every layer: C loops
-        values = list(map(operator.truediv, grads, aligned))
-    else:
+    if aligned is None:
         inf = math.inf
         rel = {k: g / weights[k] for k, g in layers.items() if 0.0 < g < inf and k in weights and k not in lookups}
-        keys, values = tuple(rel), list(rel.values())
+        return _against_typical(tuple(rel), list(rel.values()))
+    values = list(map(operator.truediv, grads, aligned))  # every layer: C loops
+    ordered = sorted(values)
+    if len(ordered) < MIN_LAYERS or ordered[-1] == math.inf:
+        return _against_typical(keys, values)
+    # Every value is finite: the 75th percentile and the smallest are those of trend.quantile and min.
+    typical = ordered[round(0.75 * (len(ordered) - 1))]
+    return _Relative(keys, values, typical, ordered[0] / typical) if typical > 0 else None
+
+
+def _against_typical(keys: tuple[str, ...], values: list[float]) -> _Relative | None:
     if len(values) < MIN_LAYERS:
         return None
     typical = quantile(values, 0.75)
@@ -177,6 +189,14 @@ def _due(record: dict[str, Any], low: list[str], n: int) -> set[str]:
     return due.intersection(low)
 
 
+def _none_due(record: dict[str, Any], n: int) -> bool:
+    """True when no run is one step short of either rule, so that :func:`_due` finds no layer whatever is low
+    now: the usual step, told by two lookups before any relative gradient is computed (``remember`` computes
+    them once per step)."""
+    t = record["t"]
+    return n > 1 and t - (n - 1) not in record["low"].at and t - (FAST - 1) not in record["far"].at
+
+
 def _has_matrix(stats: StepStats, layer: str) -> bool:
     """Whether the layer holds a parameter of 2+ dimensions (a weight, not only a bias or a scale)."""
     params = stats.extra.get("params") or ()
@@ -189,14 +209,13 @@ def _fast(rel: float, far_run: int, run: int, thr: float, n: int) -> bool:
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    facts = relative(stats, history)
-    if facts is None:
-        return []
-    thr = config.vanishing_ratio
+    thr, n = config.vanishing_ratio, config.window
     record = _streaks(history, stats.optimizer_index, thr)
-    if facts.lowest >= thr:  # the usual step: no layer below the ratio
+    if _none_due(record, n):  # the usual step, whatever the gradients: no run can reach either rule now
         return []
-    n = config.window
+    facts = relative(stats, history)
+    if facts is None or facts.lowest >= thr:  # no layer below the ratio
+        return []
     values = facts.normalized()
     low = _below(facts, values, thr)  # only a layer below the ratio now can newly sustain it
     due = _due(record, low, n)
@@ -245,7 +264,7 @@ def remember(stats: StepStats, history: History) -> None:
     remember_param_norms(stats, history)
     if not stats.names or stats.is_nonfinite:
         return
-    facts = relative(stats, history)
+    facts = _relative(stats, history)
     record = history.memory.get(_KEY, {}).get(stats.optimizer_index)  # set by check() on this step
     if facts is None or record is None:
         return
@@ -261,13 +280,23 @@ def remember(stats: StepStats, history: History) -> None:
     _advance(record, facts, thr, n)
 
 
+def _unchanged(runs: _Runs, far: _Runs, low: set[str], far_low: set[str], t: int) -> bool:
+    """True when recording a step changes no run: every layer below stays below, no other joins, and none is
+    due for the fast rule (the usual step of a layer that stays below)."""
+    return runs.start.keys() == low and far.start.keys() == far_low and t - (FAST - 1) not in far.at
+
+
 def _advance(record: dict[str, Any], facts: _Relative, thr: float, n: int) -> None:
     """One recorded step: each layer below ``thr`` (``thr * FAR``) extends its run or starts one, the others end
     theirs. A layer reported by the fast rule counts as reported by the window rule too (once per run below)."""
     t, runs, far = record["t"], record["low"], record["far"]
     values = facts.normalized()
     low = set(_below(facts, values, thr))
-    far_low = set(_below(facts, values, thr * FAR))
+    # None is far below when the lowest is not (it is exactly the smallest of ``values``).
+    far_low = set(_below(facts, values, thr * FAR)) if facts.lowest < thr * FAR else set()
+    if _unchanged(runs, far, low, far_low, t):
+        record["t"] = t + 1
+        return
     candidates = far.of_length(FAST - 1, t) & far_low & low
     rel = dict(zip(facts.layers, values)) if candidates else {}
     fast = [k for k in candidates if _fast(rel[k], far.run(k, t), runs.run(k, t), thr, n)]
