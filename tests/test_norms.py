@@ -1,4 +1,5 @@
-"""Per-gradient norms on the CPU: large float32 gradients through dot products, the others fused.
+"""Per-gradient norms on the CPU: large float32 gradients through dot products, small ones of one shape stacked,
+the others fused.
 
 Each test builds gradients whose norms differ by orders of magnitude, so a norm read into the wrong
 position or a wrong sum fails by far more than any rounding of another CPU or thread count.
@@ -15,7 +16,7 @@ from helpers import plain_console
 from torch import nn
 
 import gradwatch
-from gradwatch.core.stats import DOT_MIN_NUMEL, SyncBatch, queue_all_norms, read_grad_norms
+from gradwatch.core.stats import DOT_MIN_NUMEL, GROUP_MAX_NUMEL, SyncBatch, plan_norms, queue_all_norms, read_grad_norms
 
 BIG = 1 << 9  # a 512 x 512 weight: past DOT_MIN_NUMEL
 
@@ -50,6 +51,9 @@ def _expected(params: list[torch.Tensor]) -> list[float]:
         [(BIG, BIG), (BIG,), (BIG, BIG), (BIG,)],  # Linear layers: weight, bias, weight, bias
         [(BIG, BIG), (BIG, BIG), (BIG,)],
         [(BIG, BIG), (BIG, BIG)],
+        [(256,), (BIG, BIG), (256,), (3, 5), (3, 5), (256,), (7,), (64, 64), (64, 64)],  # groups, large and the rest
+        [(256,), (256,), (256,)],  # one group
+        [(100, 100), (256,), (100, 100), (256,)],  # between the sizes: fused
     ],
 )
 def test_large_and_small_gradients_each_get_their_own_norm_in_the_parameters_order(shapes: list[tuple[int, ...]]) -> None:
@@ -105,7 +109,7 @@ def test_a_gradient_with_no_flat_view_makes_the_optimizer_use_the_fused_norms_fr
         got = read_grad_norms(batch.resolve(), slots, len(params))
         for g, want in zip(got, _expected(params)):
             assert math.isclose(g, want, rel_tol=1e-4)
-    assert op._norm_plan[4] == []
+    assert not op._norm_plan.split
 
 
 def test_a_watched_loop_with_large_layers_reports_the_total_norm_clipping_measures() -> None:
@@ -124,3 +128,37 @@ def test_a_watched_loop_with_large_layers_reports_the_total_norm_clipping_measur
     for got, want in zip(totals, seen):
         assert math.isclose(got, want, rel_tol=1e-4)
     assert not gw.findings
+
+
+def test_the_plan_splits_by_size_and_groups_small_gradients_by_shape() -> None:
+    assert GROUP_MAX_NUMEL < DOT_MIN_NUMEL
+    plan = plan_norms(_params([(256,), (BIG, BIG), (256,), (3, 5), (3, 5), (256,), (7,), (100, 100)]))
+    assert plan.large == [1] and sorted(map(sorted, plan.groups)) == [[0, 2, 5], [3, 4]] and plan.rest == [6, 7]
+    assert not plan_norms(_params([(7,), (100, 100)])).split  # nothing to split: one fused call
+    half = [nn.Parameter(torch.zeros(BIG, BIG, dtype=torch.float16)), nn.Parameter(torch.zeros(256, dtype=torch.float16))]
+    assert not plan_norms(half).split  # float32 only
+
+
+def test_a_nonfinite_gradient_in_a_group_reads_as_a_nonfinite_norm_and_leaves_the_rest_of_the_group_alone() -> None:
+    params = _params([(256,), (256,), (256,), (256,)])
+    params[1].grad[7] = float("nan")
+    params[2].grad[0] = float("-inf")
+    got = _read(params)
+    assert got is not None
+    assert math.isnan(got[1]) and got[2] == math.inf
+    for i in (0, 3):
+        assert math.isclose(got[i], _expected(params)[i], rel_tol=1e-4)
+
+
+def test_sparse_gradients_of_one_shape_are_measured_by_the_general_path() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Embedding(10, 4, sparse=True), "b": nn.Embedding(10, 4, sparse=True)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, console=plain_console()) as gw:
+        for _ in range(2):
+            opt.zero_grad()
+            idx = torch.tensor([1, 2, 3])
+            (model["a"](idx).sum() + 100 * model["b"](idx).sum()).backward()
+            opt.step()
+    layers = gw.engine.history.last[0].layer_norms
+    assert math.isclose(layers["a"], math.sqrt(12), rel_tol=1e-4) and math.isclose(layers["b"], 100 * math.sqrt(12), rel_tol=1e-4)

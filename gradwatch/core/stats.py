@@ -13,7 +13,7 @@ import operator
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 
@@ -304,45 +304,62 @@ def _fused_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
 
 #: On the CPU, a float32 gradient of at least this many elements gets its sum of squares from a BLAS dot
 #: product, which runs on the intra-op threads at memory speed; ``_foreach_norm`` runs one reduction kernel
-#: per tensor, about half as fast on large ones (see docs/performance.md). Smaller gradients stay in the
-#: fused call, where a Python call per tensor would cost more than it saves.
+#: per tensor, slower on large ones (see docs/performance.md).
 DOT_MIN_NUMEL = 1 << 16
+#: On the CPU, float32 gradients of at most this many elements that share a shape (biases, norm layers' weights)
+#: are stacked and reduced row by row in two kernels: the fused call spends more on each small tensor than on
+#: its values. Gradients between the two sizes, and any other, stay in the fused call.
+GROUP_MAX_NUMEL = 4096
+
+
+class NormPlan(NamedTuple):
+    """How :func:`queue_all_norms` reads one optimizer's gradient norms (made once per parameter list)."""
+
+    params: list[torch.Tensor]
+    uniform: bool  # one device, one floating dtype: the fast path applies
+    order: list[int]  # the positions of the norms read back: every gradient, in order
+    dtype: torch.dtype | None
+    large: list[int]  # by dot product (CPU float32)
+    groups: list[list[int]]  # stacked, one group per shape (CPU float32)
+    rest: list[int]  # by the fused call, when ``large`` or ``groups`` is not empty
+    back: torch.Tensor | None  # where each gradient's norm is in what the split computes; None: in order
+
+    @property
+    def split(self) -> bool:
+        return bool(self.large or self.groups)
 
 
 def queue_all_norms(batch: SyncBatch, op: Any, grads: list[torch.Tensor]) -> list[tuple[int, list[int]]] | None:
     """Fast path of :func:`queue_grad_norms` for the usual step: every gradient of optimizer ``op`` present.
 
     When the optimizer's parameters share one device and floating dtype (a gradient always has its
-    parameter's), all norms come from one fused call with no per-gradient Python work (on the CPU, large
-    float32 gradients from one dot product each, see :data:`DOT_MIN_NUMEL`). Returns None when that does
-    not apply (mixed devices or dtypes, sparse or sharded gradients): use the general path.
+    parameter's), all norms come from one fused call with no per-gradient Python work (on the CPU, float32
+    gradients are split by size: see :data:`DOT_MIN_NUMEL` and :data:`GROUP_MAX_NUMEL`). Returns None when
+    that does not apply (mixed devices or dtypes, sparse or sharded gradients): use the general path.
     """
     plan = getattr(op, "_norm_plan", None)
-    if plan is None or plan[0] is not op.params:
-        plan = op._norm_plan = _plan_norms(op.params)
-    if not plan[1]:
+    if plan is None or plan.params is not op.params:
+        plan = op._norm_plan = plan_norms(op.params)
+    if not plan.uniform:
         return None
-    order, params_dtype, large, small = plan[2], plan[3], plan[4], plan[5]
-    if large:
+    if plan.split:
         try:
-            return [(batch.add(_dot_norms(grads, large, small, plan[6])), order)]
+            return [(batch.add(_split_norms(grads, plan)), plan.order)]
         except (RuntimeError, NotImplementedError, TypeError):
-            # A gradient with no flat view (not contiguous: a channels_last convolution's, a transposed copy):
-            # this optimizer's norms come from the fused call from now on.
-            plan = op._norm_plan = (*plan[:4], [], [], None)
+            # A gradient with no flat view (not contiguous: a channels_last convolution's, a transposed copy) or
+            # a sparse one: this optimizer's norms come from the fused call from now on.
+            plan = op._norm_plan = plan._replace(large=[], groups=[], rest=[], back=None)
     try:
         # Raises for what the fused kernel cannot take (a sparse gradient of nn.Embedding(sparse=True),
         # parameters moved to different devices or dtypes after the plan was made).
-        stacked = _fused_norms(grads, params_dtype)
+        stacked = _fused_norms(grads, plan.dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return [(batch.add(stacked), order)]
+    return [(batch.add(stacked), plan.order)]
 
 
-def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
-    """``(params, uniform, order, dtype, large, small, back)`` for :func:`queue_all_norms`, made once per
-    parameter list: ``large`` and ``small`` split the positions for :func:`_dot_norms`, ``back`` puts its
-    norms back in the parameters' order (None when they are in it already)."""
+def plan_norms(params: list[torch.Tensor]) -> NormPlan:
+    """The :class:`NormPlan` of an optimizer's parameters (a gradient has its parameter's shape and dtype)."""
     dtensor_module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(dtensor_module, "DTensor", None) if dtensor_module is not None else None
     uniform = (
@@ -355,29 +372,39 @@ def _plan_norms(params: list[torch.Tensor]) -> tuple[Any, ...]:
     )
     dtype = params[0].dtype if params else None
     order = list(range(len(params)))
-    large: list[int] = []
-    if uniform and dtype is torch.float32 and params[0].device.type == "cpu":
-        large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
-    chosen = set(large)
-    small = [i for i in order if i not in chosen] if large else []
-    computed = large + small if large else order
+    if not (uniform and dtype is torch.float32 and params[0].device.type == "cpu"):
+        return NormPlan(params, uniform, order, dtype, [], [], [], None)
+    large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
+    by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        if 0 < p.numel() <= GROUP_MAX_NUMEL:
+            by_shape[tuple(p.shape)].append(i)
+    groups = [idx for idx in by_shape.values() if len(idx) > 1]
+    chosen = set(large).union(*groups)
+    rest = [i for i in order if i not in chosen]
+    computed = large + [i for idx in groups for i in idx] + rest
     back = None if computed == order else torch.tensor(sorted(order, key=computed.__getitem__))
-    return (params, uniform, order, dtype, large, small, back)
+    return NormPlan(params, uniform, order, dtype, large, groups, rest, back)
 
 
-def _dot_norms(grads: list[torch.Tensor], large: list[int], small: list[int], back: torch.Tensor | None) -> torch.Tensor:
-    """Norms of ``grads[large]`` (BLAS dot products), then of ``grads[small]`` (fused), as one float32 vector;
-    in the order of ``grads`` when ``back`` is given (the positions to take them from).
+def _split_norms(grads: list[torch.Tensor], plan: NormPlan) -> torch.Tensor:
+    """Norms of the large gradients (BLAS dot products), then of each group of small ones of one shape (stacked,
+    one norm per row), then of the rest (fused), as one float32 vector in the order of ``grads``.
 
-    The dot products are sums of squares in float32, as the fused kernel's: a norm past float32's range
-    reads as inf in both, and NaN/Inf elements give a non-finite norm in both.
+    All are float32 sums of squares, as the fused kernel's: a norm past float32's range reads as inf, and
+    NaN/Inf elements give a non-finite norm, in every part alike.
     """
-    views = list(map(_FLAT, map(grads.__getitem__, large)))  # C loops: this runs every step
-    norms = torch.stack(list(map(torch.dot, views, views))).sqrt_()
-    if small:
-        rest = torch._foreach_norm(list(map(grads.__getitem__, small)), 2, dtype=torch.float32)
-        norms = torch.cat([norms, torch.stack(rest)])
-    return norms if back is None else norms[back]
+    parts = []
+    take = grads.__getitem__
+    if plan.large:
+        views = list(map(_FLAT, map(take, plan.large)))  # C loops: this runs every step
+        parts.append(torch.stack(list(map(torch.dot, views, views))).sqrt_())
+    for idx in plan.groups:
+        parts.append(torch.linalg.vector_norm(torch.stack(list(map(take, idx))).view(len(idx), -1), dim=1))
+    if plan.rest:
+        parts.append(torch.stack(torch._foreach_norm(list(map(take, plan.rest)), 2, dtype=torch.float32)))
+    norms = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return norms if plan.back is None else norms[plan.back]
 
 
 _FLAT = operator.methodcaller("view", -1)
