@@ -189,19 +189,31 @@ class _Tracker:
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
+        # The facts of the latest step decided as the usual one (ZeroGradTracker._usual_step).
+        self.usual_facts: ZeroGradFacts | None = None
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
-        self.base_ref = weakref.ref(g) if g is not None else None
-        self.base_version = g._version if g is not None else 0
+        self.reset_to(
+            weakref.ref(g) if g is not None else None,
+            g._version if g is not None else 0,
+            self.sentinel.grad if self.sentinel is not None else None,
+        )
+
+    def reset_to(self, base_ref: weakref.ref[torch.Tensor] | None, base_version: int, sg: torch.Tensor | None) -> None:
+        """A new baseline: the representative's gradient (``base_ref``, at ``base_version``) and the sentinel's
+        (``sg``)."""
+        self.base_ref = base_ref
+        self.base_version = base_version
         self.accumulations = 0
         self.cleared = False
         self.kept_passes = 0
         self.old_nonzero = []
         self.post_nonzero = None
-        sg = self.sentinel.grad if self.sentinel is not None else None
-        self.sentinel_ref = weakref.ref(sg) if sg is not None else None
-        self.sentinel_version = sg._version if sg is not None else 0
+        if sg is None:
+            self.sentinel_ref, self.sentinel_version = None, 0
+        else:
+            self.sentinel_ref, self.sentinel_version = weakref.ref(sg), sg._version
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
@@ -594,11 +606,58 @@ class ZeroGradTracker:
         if i >= len(self.trackers):
             return
         t = self.trackers[i]
+        if stats.params_changed or not self._usual_step(ctx, t):
+            self._any_step(ctx, t)
+
+    def _usual_step(self, ctx: Any, t: _Tracker) -> bool:
+        """The usual step, decided with a few attribute reads; False (nothing written) for any other.
+
+        Usual: the representative's gradient is the tensor its one kept backward pass wrote, unchanged since,
+        and not the one the previous check saw (or cleared in place since): FRESH, no verdict. Nothing
+        sampled or armed, no snapshot, no model parameter to compare, and the sentinel set to None, replaced
+        or absent (no swap possible). The facts and the new baseline are those :meth:`_any_step` writes then.
+        """
+        rep, post, base = t.rep, t.post_ref, t.base_ref
+        # (kept_passes never exceeds accumulations: one kept pass means at least one backward pass)
+        if rep is None or post is None or base is None or t.kept_passes != 1:
+            return False
+        g = rep.grad
+        if g is None or post() is not g or g._version != t.post_version or not ctx.grads:
+            return False
+        if (g is base() and not t.cleared) or t.sampled is not None or t.model_param is not None:
+            return False
+        stats = ctx.stats
+        passes = stats.extra.get("backward_passes")
+        if t.snapshot is not None or (isinstance(passes, tuple) and passes[1] and sampling_armed(passes, 1)):
+            return False
+        s, sref = t.sentinel, t.sentinel_ref
+        sg = s.grad if s is not None else None
+        if sref is not None and sg is not None and sg is sref():
+            return False  # the sentinel kept its gradient: its comparison decides (_sentinel)
+        facts = self._facts(
+            stats.optimizer_index, t, t.accumulations, 1, FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
+        )
+        if s is not None and sref is not None:
+            facts["sentinel_cleared"] = True
+        extra = stats.extra
+        extra["zero_grad"] = facts
+        extra["zero_grad_missing"] = False
+        extra[CLEARED_BEFORE_STEP] = False
+        t.usual_facts = facts  # after the sync: nothing was queued for this step (see after_sync)
+        t.sample_of = None
+        t.reset_to(post, g._version, sg)
+        t.base_step = stats.step
+        return True
+
+    def _any_step(self, ctx: Any, t: _Tracker) -> None:
+        """Every step the usual one (:meth:`_usual_step`) is not: the general decision."""
+        stats = ctx.stats
+        i = stats.optimizer_index
         if stats.params_changed:
             self._forget_departed(i, t)
         g = t.rep.grad if t.rep is not None else None
         seen = observe(t, g, bool(ctx.grads), sum(self.engine.step_counts))
-        facts = self._facts(i, t, seen)
+        facts = self._facts(i, t, seen.backward_passes, seen.kept_passes, seen.state, seen.last_backward_grad)
         if len(self.trackers) > 1 and spans_other_step(t, self.trackers):  # (one optimizer: no other step)
             facts["spans_other_step"] = True
         verdict = after_backward_verdict(seen)
@@ -625,21 +684,21 @@ class ZeroGradTracker:
         if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
             t.sentinel = None
 
-    def _facts(self, i: int, t: _Tracker, seen: GradObservation) -> ZeroGradFacts:
+    def _facts(self, i: int, t: _Tracker, passes: int, kept: int, state: str, last: bool) -> ZeroGradFacts:
         """The check's hand-over in ``stats.extra["zero_grad"]`` (see the module docstring)."""
         lightning = self.integration == "lightning"
         return {
             "optimizer": i,
             "param": t.rep_name if t.rep is not None else None,
-            "backward_passes": seen.backward_passes,
-            "kept_passes": seen.kept_passes,
-            "state": seen.state,
+            "backward_passes": passes,
+            "kept_passes": kept,
+            "state": state,
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
             # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
             "lightning_automatic": lightning and bool(getattr(self.engine.model, "automatic_optimization", True)),
             "lightning": lightning,
-            "last_backward_grad": seen.last_backward_grad,
+            "last_backward_grad": last,
         }
 
     @staticmethod
@@ -746,9 +805,24 @@ class ZeroGradTracker:
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
-        facts = stats.extra.get("zero_grad")
+        extra = stats.extra
+        facts = extra.get("zero_grad")
         if not isinstance(facts, dict):
             return
+        tracker = self.trackers[facts["optimizer"]]
+        if facts is not tracker.usual_facts:
+            self._after_any_sync(ctx, facts)
+            return
+        # The usual step's facts (_usual_step: nothing queued, nothing missing, not changed after backward): of the
+        # general decision only the scaler's dropped steps can move the baseline, and nothing stays armed.
+        dropped = extra.get("scaler_dropped")
+        if dropped is not None and baseline_was_dropped(dropped, tracker.base_step):
+            tracker.base_step = stats.step
+        tracker.watch_after_backward = False
+
+    def _after_any_sync(self, ctx: Any, facts: ZeroGradFacts) -> None:
+        """After the sync, when a lazy flag was queued or the step is not the usual one: the general decision."""
+        stats = ctx.stats
         read = _read_lazy_flags(ctx)
         if read.old_zero is not None:
             # Any backward that found the old gradient all zero: it was cleared (through .data).
