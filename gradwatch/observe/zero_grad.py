@@ -612,15 +612,17 @@ class ZeroGradTracker:
     def _usual_step(self, ctx: Any, t: _Tracker) -> bool:
         """The usual step, decided with a few attribute reads; False (nothing written) for any other.
 
-        Usual: the representative's gradient is the tensor its one kept backward pass wrote, unchanged since,
-        and not the one the previous check saw (or cleared in place since): FRESH, no verdict. Nothing
+        Usual: the representative's gradient is the tensor its latest backward pass wrote, unchanged since, and
+        not the one the previous check saw (or cleared in place since): FRESH, no verdict. Several kept passes
+        (accumulation) only with one optimizer (no other step for them to span). Nothing
         sampled or armed, no snapshot, no model parameter to compare, and the sentinel set to None, replaced
-        or absent (no swap possible). The facts and the new baseline are those :meth:`_any_step` writes then.
+        or absent, or both zeroed in place (no swap possible, see :meth:`_sentinel`). The facts and the new
+        baseline are those :meth:`_any_step` writes then.
         """
-        rep, post, base = t.rep, t.post_ref, t.base_ref
-        # (kept_passes never exceeds accumulations: one kept pass means at least one backward pass)
-        if rep is None or post is None or base is None or t.kept_passes != 1:
-            return False
+        rep, post, base, kept = t.rep, t.post_ref, t.base_ref, t.kept_passes
+        # (kept_passes never exceeds accumulations: a kept pass means a backward pass reached it)
+        if rep is None or post is None or base is None or kept < 1 or (kept > 1 and len(self.trackers) > 1):
+            return False  # (several kept passes and another optimizer: spans_other_step decides)
         g = rep.grad
         if g is None or post() is not g or g._version != t.post_version or not ctx.grads:
             return False
@@ -628,16 +630,17 @@ class ZeroGradTracker:
             return False
         stats = ctx.stats
         passes = stats.extra.get("backward_passes")
-        if t.snapshot is not None or (isinstance(passes, tuple) and passes[1] and sampling_armed(passes, 1)):
+        if t.snapshot is not None or (isinstance(passes, tuple) and passes[1] and sampling_armed(passes, kept)):
             return False
         s, sref = t.sentinel, t.sentinel_ref
         sg = s.grad if s is not None else None
-        if sref is not None and sg is not None and sg is sref():
-            return False  # the sentinel kept its gradient: its comparison decides (_sentinel)
+        kept_tensor = sref is not None and sg is not None and sg is sref()
+        if kept_tensor and (g is not base() or 0 < sg._version - t.sentinel_version <= t.accumulations):
+            return False  # the sentinel kept its gradient, the representative's was not zeroed in place as well
         facts = self._facts(
-            stats.optimizer_index, t, t.accumulations, 1, FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
+            stats.optimizer_index, t, t.accumulations, kept, FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
         )
-        if s is not None and sref is not None:
+        if s is not None and sref is not None and not kept_tensor:
             facts["sentinel_cleared"] = True
         extra = stats.extra
         extra["zero_grad"] = facts
