@@ -27,6 +27,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         or "spans_other_step" in (extra.get("zero_grad") or ())
     ):
         return []  # the usual step: nothing to report
+    return _findings(stats, history)
+
+
+def _findings(stats: StepStats, history: History) -> list[Finding]:
+    """The check's findings once the step is not the usual one (each kind once per optimizer)."""
+    extra = stats.extra
     found: list[Finding] = []
     i = stats.optimizer_index
     if extra.get("zero_grad_missing") and not history.reported.get(f"zero_grad_missing/{i}"):
@@ -59,6 +65,13 @@ def remember(stats: StepStats, history: History) -> None:
     ):
         history.memory[f"{_IN_LOOP}/{i}"] = False  # the usual step: nothing reported, no micro-batches cleared
         return
+    _remember_findings(stats, history)
+
+
+def _remember_findings(stats: StepStats, history: History) -> None:
+    """What :func:`remember` keeps of a step that is not the usual one: the kinds reported, the cleared loop."""
+    i = stats.optimizer_index
+    extra = stats.extra
     if extra.get(_SPANS):
         history.reported[f"{_SPANS}/{i}"] = True
     for kind in ("zero_grad_missing", "grads_cleared_before_step"):

@@ -72,19 +72,21 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.nn.parameter import is_lazy
 
 from gradwatch.core.failures import internal_warning
-from gradwatch.core.stats import ZeroGradFacts
+from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 #: ``stats.extra["zero_grad"]["state"]`` values.
 FRESH = "fresh"
 ACCUMULATED = "accumulated"
 UNKNOWN = "unknown"
 PENDING = "pending"
+
+_Ref: TypeAlias = "weakref.ref[torch.Tensor]"
 
 #: Checks between two re-picks of a representative that no backward pass reached.
 REPICK_EVERY = 50
@@ -189,8 +191,7 @@ class _Tracker:
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
-        # The facts of the latest step decided as the usual one (ZeroGradTracker._usual_step).
-        self.usual_facts: ZeroGradFacts | None = None
+        self.usual_facts: ZeroGradFacts | None = None  # of the latest step ZeroGradTracker._usual_step decided
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
@@ -200,7 +201,7 @@ class _Tracker:
             self.sentinel.grad if self.sentinel is not None else None,
         )
 
-    def reset_to(self, base_ref: weakref.ref[torch.Tensor] | None, base_version: int, sg: torch.Tensor | None) -> None:
+    def reset_to(self, base_ref: _Ref | None, base_version: int, sg: torch.Tensor | None) -> None:
         """A new baseline: the representative's gradient (``base_ref``, at ``base_version``) and the sentinel's
         (``sg``)."""
         self.base_ref = base_ref
@@ -461,6 +462,30 @@ def observe(t: _Tracker, g: torch.Tensor | None, any_grads: bool, steps_done: in
     )
 
 
+def _unreached(t: _Tracker, g: torch.Tensor, base: _Ref, step: int) -> tuple[str, bool] | None:
+    """``(UNKNOWN, last_backward_grad)`` if no backward pass reached the representative since the previous
+    check, whose gradient it still holds, and no re-pick is due (:meth:`ZeroGradTracker._rebase`); else None."""
+    if t.accumulations or t.cleared or g is not base() or step >= t.repick_after:
+        return None
+    post = t.post_ref
+    return UNKNOWN, post is not None and post() is g and (g.is_sparse or g.data_ptr() == t.post_ptr)
+
+
+def _quiet_sentinel(t: _Tracker, state: str, g: torch.Tensor, base: _Ref) -> tuple[bool, torch.Tensor | None] | None:
+    """``(cleared, gradient)`` of the sentinel when it cannot take the hooks over at this check (see
+    :meth:`ZeroGradTracker._sentinel`): cleared is True if its gradient was set to None or replaced. None when
+    it may: it kept its gradient while the representative's was fresh, not zeroed in place as well."""
+    s, ref = t.sentinel, t.sentinel_ref
+    sg = s.grad if s is not None else None
+    if s is None or ref is None:
+        return False, sg
+    if ref() is not sg or sg is None:
+        return True, sg
+    if state is FRESH and (g is not base() or 0 < sg._version - t.sentinel_version <= t.accumulations):
+        return None
+    return False, sg
+
+
 def after_backward_verdict(seen: GradObservation) -> str | None:
     """Backward passes reached the representative since the previous check; what came after the last one?
 
@@ -606,41 +631,34 @@ class ZeroGradTracker:
         if i >= len(self.trackers):
             return
         t = self.trackers[i]
-        if stats.params_changed or not self._usual_step(ctx, t):
+        if stats.params_changed or not self._usual_step(ctx, stats, t):
             self._any_step(ctx, t)
 
-    def _usual_step(self, ctx: Any, t: _Tracker) -> bool:
+    def _usual_step(self, ctx: Any, stats: StepStats, t: _Tracker) -> bool:
         """The usual step, decided with a few attribute reads; False (nothing written) for any other.
 
-        Usual: the representative's gradient is the tensor its latest backward pass wrote, unchanged since, and
-        not the one the previous check saw (or cleared in place since): FRESH, no verdict. Several kept passes
-        (accumulation) only with one optimizer (no other step for them to span). Nothing
-        sampled or armed, no snapshot, no model parameter to compare, and the sentinel set to None, replaced
-        or absent, or both zeroed in place (no swap possible, see :meth:`_sentinel`). The facts and the new
-        baseline are those :meth:`_any_step` writes then.
+        Usual: nothing sampled or armed, no snapshot, no model parameter to compare; the representative holds
+        a gradient, either fresh (:meth:`_fresh`) or the very tensor of the previous check with no backward
+        pass since (:func:`_unreached`); the sentinel cannot take the hooks over (:func:`_quiet_sentinel`). No
+        verdict, nothing queued: the facts and the new baseline are those :meth:`_any_step` writes then.
         """
-        rep, post, base, kept = t.rep, t.post_ref, t.base_ref, t.kept_passes
-        # (kept_passes never exceeds accumulations: a kept pass means a backward pass reached it)
-        if rep is None or post is None or base is None or kept < 1 or (kept > 1 and len(self.trackers) > 1):
-            return False  # (several kept passes and another optimizer: spans_other_step decides)
+        rep, base = t.rep, t.base_ref
+        if rep is None or base is None or t.sampled is not None or t.model_param is not None or t.snapshot is not None:
+            return False
         g = rep.grad
-        if g is None or post() is not g or g._version != t.post_version or not ctx.grads:
+        if g is None:
             return False
-        if (g is base() and not t.cleared) or t.sampled is not None or t.model_param is not None:
+        # (kept passes never outnumber the accumulations: one kept pass means a backward pass reached it)
+        seen = self._fresh(ctx, t, g, base) if t.kept_passes else _unreached(t, g, base, stats.step)
+        if seen is None:
             return False
-        stats = ctx.stats
-        passes = stats.extra.get("backward_passes")
-        if t.snapshot is not None or (isinstance(passes, tuple) and passes[1] and sampling_armed(passes, kept)):
+        state, last = seen
+        sentinel = _quiet_sentinel(t, state, g, base)
+        if sentinel is None:
             return False
-        s, sref = t.sentinel, t.sentinel_ref
-        sg = s.grad if s is not None else None
-        kept_tensor = sref is not None and sg is not None and sg is sref()
-        if kept_tensor and (g is not base() or 0 < sg._version - t.sentinel_version <= t.accumulations):
-            return False  # the sentinel kept its gradient, the representative's was not zeroed in place as well
-        facts = self._facts(
-            stats.optimizer_index, t, t.accumulations, kept, FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
-        )
-        if s is not None and sref is not None and not kept_tensor:
+        cleared, sg = sentinel
+        facts = self._facts(stats.optimizer_index, t, t.accumulations, t.kept_passes, state, last)
+        if cleared:
             facts["sentinel_cleared"] = True
         extra = stats.extra
         extra["zero_grad"] = facts
@@ -648,9 +666,24 @@ class ZeroGradTracker:
         extra[CLEARED_BEFORE_STEP] = False
         t.usual_facts = facts  # after the sync: nothing was queued for this step (see after_sync)
         t.sample_of = None
-        t.reset_to(post, g._version, sg)
+        t.reset_to(t.post_ref if state is FRESH else base, g._version, sg)  # (both refer to g)
         t.base_step = stats.step
         return True
+
+    def _fresh(self, ctx: Any, t: _Tracker, g: torch.Tensor, base: _Ref) -> tuple[str, bool] | None:
+        """``(FRESH, last_backward_grad)`` if the representative's gradient ``g`` is the tensor its latest
+        backward pass wrote, unchanged since, and not the one the previous check saw (or cleared in place
+        since), with nothing to arm; several kept passes (accumulation) only with one optimizer (no other step
+        for them to span). None otherwise."""
+        kept, post = t.kept_passes, t.post_ref
+        if (kept > 1 and len(self.trackers) > 1) or post is None or post() is not g or not ctx.grads:
+            return None
+        if g._version != t.post_version or (g is base() and not t.cleared):
+            return None
+        passes = ctx.stats.extra.get("backward_passes")
+        if isinstance(passes, tuple) and passes[1] and sampling_armed(passes, kept):
+            return None
+        return FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
 
     def _any_step(self, ctx: Any, t: _Tracker) -> None:
         """Every step the usual one (:meth:`_usual_step`) is not: the general decision."""
@@ -816,8 +849,7 @@ class ZeroGradTracker:
         if facts is not tracker.usual_facts:
             self._after_any_sync(ctx, facts)
             return
-        # The usual step's facts (_usual_step: nothing queued, nothing missing, not changed after backward): of the
-        # general decision only the scaler's dropped steps can move the baseline, and nothing stays armed.
+        # The usual step (_usual_step queued nothing): only the scaler's dropped steps move the baseline.
         dropped = extra.get("scaler_dropped")
         if dropped is not None and baseline_was_dropped(dropped, tracker.base_step):
             tracker.base_step = stats.step

@@ -303,9 +303,9 @@ def _run(name: str, monkeypatch: pytest.MonkeyPatch, *, shortcut: bool, **config
     taken = 0
     usual_step = ZeroGradTracker._usual_step
 
-    def counted(self: ZeroGradTracker, ctx: Any, t: Any) -> bool:
+    def counted(self: ZeroGradTracker, ctx: Any, stats: Any, t: Any) -> bool:
         nonlocal taken
-        done = usual_step(self, ctx, t) if shortcut else False
+        done = usual_step(self, ctx, stats, t) if shortcut else False
         taken += done
         return done
 
