@@ -118,6 +118,18 @@ def _no_backward_at_4_and_5(step: int, model: Net, opts: list[Any], scaler: Any)
     opts[0].step()
 
 
+def _replaced_without_backward_at_6(step: int, model: Net, opts: list[Any], scaler: Any) -> None:
+    """No backward pass at step 4 (the re-pick that follows holds off the next one), and at step 6 new gradient
+    tensors without one: cleared since the previous check, though no backward pass reached them."""
+    if step == 6:
+        for p in model.parameters():
+            p.grad = p.grad.clone()
+    elif step != 4:
+        opts[0].zero_grad()
+        _loss(model, step).backward()
+    opts[0].step()
+
+
 def _replaced_by_hand(step: int, model: Net, opts: list[Any], scaler: Any) -> None:
     opts[0].zero_grad()
     _loss(model, step).backward()
@@ -228,6 +240,7 @@ LOOPS: dict[str, Callable[[int, Net, list[Any], Any], None]] = {
     "between_passes": _between_passes_at_5,
     "no_backward": _no_backward_at_4_and_5,
     "replaced_by_hand": _replaced_by_hand,
+    "replaced_without_backward": _replaced_without_backward_at_6,
     "scaler_drops": _scaler_drops,
     "two_optimizers": _two_optimizers,
     "clipped": _clipped,
