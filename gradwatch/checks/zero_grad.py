@@ -18,32 +18,64 @@ from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    extra = stats.extra
+    passes = extra.get("backward_passes")
+    if not (
+        extra.get("zero_grad_missing")
+        or extra.get("grads_cleared_before_step")
+        or (isinstance(passes, tuple) and passes[1] > 0 and passes[0] >= IN_LOOP_MIN_PASSES)  # _in_loop_passes
+        or "spans_other_step" in (extra.get("zero_grad") or ())
+    ):
+        return []  # the usual step: nothing to report
+    return _findings(stats, history)
+
+
+def _findings(stats: StepStats, history: History) -> list[Finding]:
+    """The check's findings once the step is not the usual one (each kind once per optimizer)."""
+    extra = stats.extra
     found: list[Finding] = []
     i = stats.optimizer_index
-    if stats.extra.get("zero_grad_missing") and not history.reported.get(f"zero_grad_missing/{i}"):
+    if extra.get("zero_grad_missing") and not history.reported.get(f"zero_grad_missing/{i}"):
         found.append(_missing(stats))
-    if stats.extra.get("grads_cleared_before_step") and not history.reported.get(f"grads_cleared_before_step/{i}"):
+    if extra.get("grads_cleared_before_step") and not history.reported.get(f"grads_cleared_before_step/{i}"):
         found.append(_cleared(stats))
     if _cleared_in_loop(stats) and _repeated(stats, history) and not history.reported.get(f"{_IN_LOOP}/{i}"):
         found.append(_in_loop(stats))
-    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
+    facts: ZeroGradFacts = extra.get("zero_grad") or {}
     if (
         facts.get("spans_other_step")
-        and not stats.extra.get("zero_grad_missing")
+        and not extra.get("zero_grad_missing")
         and not found
         and not history.reported.get(f"{_SPANS}/{i}")
     ):
-        stats.extra[_SPANS] = True
+        extra[_SPANS] = True
         found.append(_spans(stats, facts))
     return found
 
 
 def remember(stats: StepStats, history: History) -> None:
     i = stats.optimizer_index
-    if stats.extra.get(_SPANS):
+    extra = stats.extra
+    passes = extra.get("backward_passes")
+    if not (
+        extra.get("zero_grad_missing")
+        or extra.get("grads_cleared_before_step")
+        or (isinstance(passes, tuple) and passes[1] > 0 and passes[0] >= IN_LOOP_MIN_PASSES)  # _in_loop_passes
+        or _SPANS in extra
+    ):
+        history.memory[f"{_IN_LOOP}/{i}"] = False  # the usual step: nothing reported, no micro-batches cleared
+        return
+    _remember_findings(stats, history)
+
+
+def _remember_findings(stats: StepStats, history: History) -> None:
+    """What :func:`remember` keeps of a step that is not the usual one: the kinds reported, the cleared loop."""
+    i = stats.optimizer_index
+    extra = stats.extra
+    if extra.get(_SPANS):
         history.reported[f"{_SPANS}/{i}"] = True
     for kind in ("zero_grad_missing", "grads_cleared_before_step"):
-        if stats.extra.get(kind):
+        if extra.get(kind):
             history.reported[f"{kind}/{i}"] = True
     in_loop = _cleared_in_loop(stats)
     if in_loop and _repeated(stats, history):
@@ -94,6 +126,11 @@ def _spans(stats: StepStats, facts: dict[str, object]) -> Finding:
 IN_LOOP_MIN_PASSES = 3
 
 
+def _in_loop_passes(passes: object) -> bool:
+    """Enough backward passes in the step, some finding the gradients cleared (``extra["backward_passes"]``)."""
+    return isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] > 0
+
+
 def _cleared_in_loop(stats: StepStats) -> bool:
     """Micro-batches cleared before the last one: the step's gradient holds its last backward pass only.
     Either each pass cleared the one before (zero_grad() in every micro-batch), or the passes accumulated
@@ -107,7 +144,7 @@ def _cleared_in_loop(stats: StepStats) -> bool:
     own (Fisher estimates: other sizes), or gradients the code assembled itself (DP-SGD by hand).
     """
     passes = stats.extra.get("backward_passes")
-    if not (isinstance(passes, tuple) and passes[0] >= IN_LOOP_MIN_PASSES and passes[1] > 0):
+    if not _in_loop_passes(passes):
         return False
     facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
     inputs = stats.extra.get("step_inputs")

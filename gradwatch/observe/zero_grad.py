@@ -72,19 +72,21 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.nn.parameter import is_lazy
 
 from gradwatch.core.failures import internal_warning
-from gradwatch.core.stats import ZeroGradFacts
+from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 #: ``stats.extra["zero_grad"]["state"]`` values.
 FRESH = "fresh"
 ACCUMULATED = "accumulated"
 UNKNOWN = "unknown"
 PENDING = "pending"
+
+_Ref: TypeAlias = "weakref.ref[torch.Tensor]"
 
 #: Checks between two re-picks of a representative that no backward pass reached.
 REPICK_EVERY = 50
@@ -189,19 +191,30 @@ class _Tracker:
         # With a representative the model does not own: one model parameter's gradient at the previous check.
         self.model_param: torch.Tensor | None = None
         self.model_ref: weakref.ref[torch.Tensor] | None = None
+        self.usual_facts: ZeroGradFacts | None = None  # of the latest step ZeroGradTracker._usual_step decided
 
     def reset(self) -> None:
         g = self.rep.grad if self.rep is not None else None
-        self.base_ref = weakref.ref(g) if g is not None else None
-        self.base_version = g._version if g is not None else 0
+        self.reset_to(
+            weakref.ref(g) if g is not None else None,
+            g._version if g is not None else 0,
+            self.sentinel.grad if self.sentinel is not None else None,
+        )
+
+    def reset_to(self, base_ref: _Ref | None, base_version: int, sg: torch.Tensor | None) -> None:
+        """A new baseline: the representative's gradient (``base_ref``, at ``base_version``) and the sentinel's
+        (``sg``)."""
+        self.base_ref = base_ref
+        self.base_version = base_version
         self.accumulations = 0
         self.cleared = False
         self.kept_passes = 0
         self.old_nonzero = []
         self.post_nonzero = None
-        sg = self.sentinel.grad if self.sentinel is not None else None
-        self.sentinel_ref = weakref.ref(sg) if sg is not None else None
-        self.sentinel_version = sg._version if sg is not None else 0
+        if sg is None:
+            self.sentinel_ref, self.sentinel_version = None, 0
+        else:
+            self.sentinel_ref, self.sentinel_version = weakref.ref(sg), sg._version
 
     # -- hooks (run inside backward: must never raise) ----------------------------------------------
     def before_accumulate(self, incoming: torch.Tensor) -> None:
@@ -449,6 +462,30 @@ def observe(t: _Tracker, g: torch.Tensor | None, any_grads: bool, steps_done: in
     )
 
 
+def _unreached(t: _Tracker, g: torch.Tensor, base: _Ref, step: int) -> tuple[str, bool] | None:
+    """``(UNKNOWN, last_backward_grad)`` if no backward pass reached the representative since the previous
+    check, whose gradient it still holds, and no re-pick is due (:meth:`ZeroGradTracker._rebase`); else None."""
+    if t.accumulations or t.cleared or g is not base() or step >= t.repick_after:
+        return None
+    post = t.post_ref
+    return UNKNOWN, post is not None and post() is g and (g.is_sparse or g.data_ptr() == t.post_ptr)
+
+
+def _quiet_sentinel(t: _Tracker, state: str, g: torch.Tensor, base: _Ref) -> tuple[bool, torch.Tensor | None] | None:
+    """``(cleared, gradient)`` of the sentinel when it cannot take the hooks over at this check (see
+    :meth:`ZeroGradTracker._sentinel`): cleared is True if its gradient was set to None or replaced. None when
+    it may: it kept its gradient while the representative's was fresh, not zeroed in place as well."""
+    s, ref = t.sentinel, t.sentinel_ref
+    sg = s.grad if s is not None else None
+    if s is None or ref is None:
+        return False, sg
+    if ref() is not sg or sg is None:
+        return True, sg
+    if state is FRESH and (g is not base() or 0 < sg._version - t.sentinel_version <= t.accumulations):
+        return None
+    return False, sg
+
+
 def after_backward_verdict(seen: GradObservation) -> str | None:
     """Backward passes reached the representative since the previous check; what came after the last one?
 
@@ -594,11 +631,69 @@ class ZeroGradTracker:
         if i >= len(self.trackers):
             return
         t = self.trackers[i]
+        if stats.params_changed or not self._usual_step(ctx, stats, t):
+            self._any_step(ctx, t)
+
+    def _usual_step(self, ctx: Any, stats: StepStats, t: _Tracker) -> bool:
+        """The usual step, decided with a few attribute reads; False (nothing written) for any other.
+
+        Usual: nothing sampled or armed, no snapshot, no model parameter to compare; the representative holds
+        a gradient, either fresh (:meth:`_fresh`) or the very tensor of the previous check with no backward
+        pass since (:func:`_unreached`); the sentinel cannot take the hooks over (:func:`_quiet_sentinel`). No
+        verdict, nothing queued: the facts and the new baseline are those :meth:`_any_step` writes then.
+        """
+        rep, base = t.rep, t.base_ref
+        if rep is None or base is None or t.sampled is not None or t.model_param is not None or t.snapshot is not None:
+            return False
+        g = rep.grad
+        if g is None:
+            return False
+        # (kept passes never outnumber the accumulations: one kept pass means a backward pass reached it)
+        seen = self._fresh(ctx, t, g, base) if t.kept_passes else _unreached(t, g, base, stats.step)
+        if seen is None:
+            return False
+        state, last = seen
+        sentinel = _quiet_sentinel(t, state, g, base)
+        if sentinel is None:
+            return False
+        cleared, sg = sentinel
+        facts = self._facts(stats.optimizer_index, t, t.accumulations, t.kept_passes, state, last)
+        if cleared:
+            facts["sentinel_cleared"] = True
+        extra = stats.extra
+        extra["zero_grad"] = facts
+        extra["zero_grad_missing"] = False
+        extra[CLEARED_BEFORE_STEP] = False
+        t.usual_facts = facts  # after the sync: nothing was queued for this step (see after_sync)
+        t.sample_of = None
+        t.reset_to(t.post_ref if state is FRESH else base, g._version, sg)  # (both refer to g)
+        t.base_step = stats.step
+        return True
+
+    def _fresh(self, ctx: Any, t: _Tracker, g: torch.Tensor, base: _Ref) -> tuple[str, bool] | None:
+        """``(FRESH, last_backward_grad)`` if the representative's gradient ``g`` is the tensor its latest
+        backward pass wrote, unchanged since, and not the one the previous check saw (or cleared in place
+        since), with nothing to arm; several kept passes (accumulation) only with one optimizer (no other step
+        for them to span). None otherwise."""
+        kept, post = t.kept_passes, t.post_ref
+        if (kept > 1 and len(self.trackers) > 1) or post is None or post() is not g or not ctx.grads:
+            return None
+        if g._version != t.post_version or (g is base() and not t.cleared):
+            return None
+        passes = ctx.stats.extra.get("backward_passes")
+        if isinstance(passes, tuple) and passes[1] and sampling_armed(passes, kept):
+            return None
+        return FRESH, g.is_sparse or g.data_ptr() == t.post_ptr
+
+    def _any_step(self, ctx: Any, t: _Tracker) -> None:
+        """Every step the usual one (:meth:`_usual_step`) is not: the general decision."""
+        stats = ctx.stats
+        i = stats.optimizer_index
         if stats.params_changed:
             self._forget_departed(i, t)
         g = t.rep.grad if t.rep is not None else None
         seen = observe(t, g, bool(ctx.grads), sum(self.engine.step_counts))
-        facts = self._facts(i, t, seen)
+        facts = self._facts(i, t, seen.backward_passes, seen.kept_passes, seen.state, seen.last_backward_grad)
         if len(self.trackers) > 1 and spans_other_step(t, self.trackers):  # (one optimizer: no other step)
             facts["spans_other_step"] = True
         verdict = after_backward_verdict(seen)
@@ -625,21 +720,21 @@ class ZeroGradTracker:
         if t.sentinel is not None and not any(p is t.sentinel for p in op.params):
             t.sentinel = None
 
-    def _facts(self, i: int, t: _Tracker, seen: GradObservation) -> ZeroGradFacts:
+    def _facts(self, i: int, t: _Tracker, passes: int, kept: int, state: str, last: bool) -> ZeroGradFacts:
         """The check's hand-over in ``stats.extra["zero_grad"]`` (see the module docstring)."""
         lightning = self.integration == "lightning"
         return {
             "optimizer": i,
             "param": t.rep_name if t.rep is not None else None,
-            "backward_passes": seen.backward_passes,
-            "kept_passes": seen.kept_passes,
-            "state": seen.state,
+            "backward_passes": passes,
+            "kept_passes": kept,
+            "state": state,
             "previous_step": t.base_step,
             "has_optimizer": self.engine.index.per_optimizer[i].optimizer is not None,
             # Lightning calls zero_grad() and step() itself: the user's own zero_grad() is to be deleted.
             "lightning_automatic": lightning and bool(getattr(self.engine.model, "automatic_optimization", True)),
             "lightning": lightning,
-            "last_backward_grad": seen.last_backward_grad,
+            "last_backward_grad": last,
         }
 
     @staticmethod
@@ -746,9 +841,23 @@ class ZeroGradTracker:
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
-        facts = stats.extra.get("zero_grad")
+        extra = stats.extra
+        facts = extra.get("zero_grad")
         if not isinstance(facts, dict):
             return
+        tracker = self.trackers[facts["optimizer"]]
+        if facts is not tracker.usual_facts:
+            self._after_any_sync(ctx, facts)
+            return
+        # The usual step (_usual_step queued nothing): only the scaler's dropped steps move the baseline.
+        dropped = extra.get("scaler_dropped")
+        if dropped is not None and baseline_was_dropped(dropped, tracker.base_step):
+            tracker.base_step = stats.step
+        tracker.watch_after_backward = False
+
+    def _after_any_sync(self, ctx: Any, facts: ZeroGradFacts) -> None:
+        """After the sync, when a lazy flag was queued or the step is not the usual one: the general decision."""
+        stats = ctx.stats
         read = _read_lazy_flags(ctx)
         if read.old_zero is not None:
             # Any backward that found the old gradient all zero: it was cleared (through .data).
