@@ -29,6 +29,8 @@ def _settings(groups: list[dict]) -> list[tuple[object, object]]:
 
 def _plain(v: object) -> object:
     """A value that compares without a sync: a CPU number as a float, a device tensor by its version."""
+    if type(v) is float:  # the usual group
+        return v
     if isinstance(v, torch.Tensor):
         return float(v) if v.device.type == "cpu" and v.numel() == 1 else (id(v), v._version)
     return v

@@ -252,10 +252,8 @@ class Engine:
             norm_slots = queue_grad_norms(batch, got.grads)
         loss_slot, stale_slot = self.ledger.queue(batch, got.grads, stats)
         ctx = StepContext(
-            stats=stats, batch=batch, grads=got.grads, params=got.params, engine=self, norm_slots=norm_slots
+            stats, batch, got.grads, got.params, self, {"loss": loss_slot, "stale_loss": stale_slot}, norm_slots
         )
-        ctx.slots["loss"] = loss_slot
-        ctx.slots["stale_loss"] = stale_slot
         return ctx, norm_slots, loss_slot
 
     def _read_and_check(
