@@ -23,10 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gradwatch
 
 GRADWATCH_DIR = os.path.dirname(os.path.abspath(gradwatch.__file__)) + os.sep
-#: Tensor ops gradwatch adds to a healthy step: the fused norms (``_foreach_norm``, ``stack``), the
+#: Tensor ops gradwatch adds to a healthy step of these models (same-shape layers on the CPU): the norms of the
+#: weights' and the biases' gradients (each shape's gradients stacked, one norm per row: ``stack`` and
+#: ``linalg_vector_norm``, twice), joined and put back in the parameters' order (``cat``, ``index``), the
 #: representative's norm for the clip ratio, the observed loss (``detach``, ``view``) and the one ``cat``
-#: read back by the step's single sync.
-OPS_PER_STEP = 8
+#: read back by the step's single sync. Whatever the depth: one pair of ops per shape, not per layer.
+OPS_PER_STEP = 12
 
 
 class OpCounter(TorchDispatchMode):
@@ -41,7 +43,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
         self.ops[name] += 1
-        if "norm" in name:
+        if "norm" in name or name.startswith(("aten.stack", "aten.cat", "aten.dot")):  # what reads gradients
             grads = {id(p.grad) for p in self.params if p.grad is not None}
             for a in args:
                 for t in a if isinstance(a, (list, tuple)) else [a]:

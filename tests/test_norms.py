@@ -53,6 +53,7 @@ def _expected(params: list[torch.Tensor]) -> list[float]:
         [(BIG, BIG), (BIG, BIG)],
         [(256,), (BIG, BIG), (256,), (3, 5), (3, 5), (256,), (7,), (64, 64), (64, 64)],  # groups, large and the rest
         [(256,), (256,), (256,)],  # one group
+        [(), (), (256,), ()],  # 0-d parameters (a learned temperature, scale or gate) each have their own norm
         [(100, 100), (256,), (100, 100), (256,)],  # between the sizes: fused
     ],
 )
@@ -133,8 +134,9 @@ def test_a_watched_loop_with_large_layers_reports_the_total_norm_clipping_measur
 def test_the_plan_splits_by_size_and_groups_small_gradients_by_shape() -> None:
     assert GROUP_MAX_NUMEL < DOT_MIN_NUMEL
     plan = plan_norms(_params([(256,), (BIG, BIG), (256,), (3, 5), (3, 5), (256,), (7,), (100, 100)]))
-    assert plan.large == [1] and sorted(map(sorted, plan.groups)) == [[0, 2, 5], [3, 4]] and plan.rest == [6, 7]
+    assert plan.large == [1] and sorted(sorted(idx) for idx, _dims in plan.groups) == [[0, 2, 5], [3, 4]] and plan.rest == [6, 7]
     assert not plan_norms(_params([(7,), (100, 100)])).split  # nothing to split: one fused call
+    assert not plan_norms(_params([(), (), ()])).split  # 0-d: nothing to stack them by
     half = [nn.Parameter(torch.zeros(BIG, BIG, dtype=torch.float16)), nn.Parameter(torch.zeros(256, dtype=torch.float16))]
     assert not plan_norms(half).split  # float32 only
 

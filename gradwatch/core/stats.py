@@ -320,7 +320,7 @@ class NormPlan(NamedTuple):
     order: list[int]  # the positions of the norms read back: every gradient, in order
     dtype: torch.dtype | None
     large: list[int]  # by dot product (CPU float32)
-    groups: list[list[int]]  # stacked, one group per shape (CPU float32)
+    groups: list[tuple[list[int], tuple[int, ...]]]  # stacked, one group per shape, and its norm's dims (CPU float32)
     rest: list[int]  # by the fused call, when ``large`` or ``groups`` is not empty
     back: torch.Tensor | None  # where each gradient's norm is in what the split computes; None: in order
 
@@ -377,12 +377,12 @@ def plan_norms(params: list[torch.Tensor]) -> NormPlan:
     large = [i for i, p in enumerate(params) if p.numel() >= DOT_MIN_NUMEL]
     by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        if 0 < p.numel() <= GROUP_MAX_NUMEL:
+        if 0 < p.numel() <= GROUP_MAX_NUMEL and p.dim() > 0:  # a 0-d one: no dimension to take the norm over
             by_shape[tuple(p.shape)].append(i)
-    groups = [idx for idx in by_shape.values() if len(idx) > 1]
-    chosen = set(large).union(*groups)
+    groups = [(idx, tuple(range(1, len(shape) + 1))) for shape, idx in by_shape.items() if len(idx) > 1]
+    chosen = set(large).union(*(idx for idx, _dims in groups))
     rest = [i for i in order if i not in chosen]
-    computed = large + [i for idx in groups for i in idx] + rest
+    computed = large + [i for idx, _dims in groups for i in idx] + rest
     back = None if computed == order else torch.tensor(sorted(order, key=computed.__getitem__))
     return NormPlan(params, uniform, order, dtype, large, groups, rest, back)
 
@@ -399,8 +399,8 @@ def _split_norms(grads: list[torch.Tensor], plan: NormPlan) -> torch.Tensor:
     if plan.large:
         views = list(map(_FLAT, map(take, plan.large)))  # C loops: this runs every step
         parts.append(torch.stack(list(map(torch.dot, views, views))).sqrt_())
-    for idx in plan.groups:
-        parts.append(torch.linalg.vector_norm(torch.stack(list(map(take, idx))).view(len(idx), -1), dim=1))
+    for idx, dims in plan.groups:  # a norm over every dimension but the stacking one: one per gradient
+        parts.append(torch.linalg.vector_norm(torch.stack(list(map(take, idx))), dim=dims))
     if plan.rest:
         parts.append(torch.stack(torch._foreach_norm(list(map(take, plan.rest)), 2, dtype=torch.float32)))
     norms = torch.cat(parts) if len(parts) > 1 else parts[0]
