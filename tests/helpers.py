@@ -224,3 +224,33 @@ def tiny_trainer(ns: Any, callbacks: list[Any], **kwargs: Any) -> Any:
     }
     options.update(kwargs)
     return ns.Trainer(callbacks=callbacks, **options)
+
+
+# -- small models and statistics shared by several test files ---------------------------------------------
+class EncoderHead(nn.Module):
+    """Linear(4, 8) + Tanh as ``encoder``, Linear(8, 1) as ``head``: two submodules to clear apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def layer_stats(step: int, values: dict[str, float], weights: dict[str, float]) -> Any:
+    """A step's statistics from per-layer gradient norms (a weight and a bias per layer, each half of the
+    layer's square) and per-layer weight norms, as the checks of relative gradients read them."""
+    from gradwatch.core.measured import PARAM_NORMS
+    from gradwatch.core.stats import StepStats
+
+    layers = list(values)
+    modules = [m for m in layers for _ in (0, 1)]
+    stats = StepStats(step=step, names=[f"{m}.{p}" for m in layers for p in ("weight", "bias")], modules=modules)
+    stats.norms = [values[m] / 2**0.5 for m in modules]
+    stats.layer_norms = dict(values)
+    stats.total_norm = sum(v * v for v in values.values()) ** 0.5
+    stats.extra["params"] = [torch.empty(2, 2) if i % 2 == 0 else torch.empty(2) for i in range(len(modules))]
+    stats.extra[PARAM_NORMS] = dict(weights)
+    return stats

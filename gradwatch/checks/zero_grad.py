@@ -17,15 +17,19 @@ from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats, ZeroGradFacts
 
 
-def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
-    extra = stats.extra
+def _noted(extra: dict) -> bool:
+    """The tracker noted something about this step's clearing (else the step is the usual one)."""
     passes = extra.get("backward_passes")
-    if not (
+    return bool(
         extra.get("zero_grad_missing")
         or extra.get("grads_cleared_before_step")
         or (isinstance(passes, tuple) and passes[1] > 0 and passes[0] >= IN_LOOP_MIN_PASSES)  # _in_loop_passes
-        or "spans_other_step" in (extra.get("zero_grad") or ())
-    ):
+    )
+
+
+def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    extra = stats.extra
+    if not (_noted(extra) or "spans_other_step" in (extra.get("zero_grad") or ())):
         return []  # the usual step: nothing to report
     return _findings(stats, history)
 
@@ -56,13 +60,7 @@ def _findings(stats: StepStats, history: History) -> list[Finding]:
 def remember(stats: StepStats, history: History) -> None:
     i = stats.optimizer_index
     extra = stats.extra
-    passes = extra.get("backward_passes")
-    if not (
-        extra.get("zero_grad_missing")
-        or extra.get("grads_cleared_before_step")
-        or (isinstance(passes, tuple) and passes[1] > 0 and passes[0] >= IN_LOOP_MIN_PASSES)  # _in_loop_passes
-        or _SPANS in extra
-    ):
+    if not (_noted(extra) or _SPANS in extra):
         history.memory[f"{_IN_LOOP}/{i}"] = False  # the usual step: nothing reported, no micro-batches cleared
         return
     _remember_findings(stats, history)

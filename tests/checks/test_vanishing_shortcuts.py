@@ -8,27 +8,18 @@ import random
 from typing import Any
 
 import pytest
-import torch
+from helpers import layer_stats
 
 from gradwatch.checks import vanishing
 from gradwatch.core.config import Config
 from gradwatch.core.history import History
-from gradwatch.core.measured import PARAM_NORMS
 from gradwatch.core.stats import StepStats
 
 LAYERS = [f"layer{i}" for i in range(8)]  # 0-4 move, 5-7 stay at the typical level
 
 
 def _stats(step: int, values: dict[str, float]) -> StepStats:
-    layers = list(values)
-    modules = [m for m in layers for _ in (0, 1)]  # a weight and a bias each
-    stats = StepStats(step=step, names=[f"{m}.{p}" for m in layers for p in ("weight", "bias")], modules=modules)
-    stats.norms = [values[m] / 2**0.5 for m in modules]
-    stats.layer_norms = dict(values)
-    stats.total_norm = sum(v * v for v in values.values()) ** 0.5
-    stats.extra["params"] = [torch.empty(2, 2) if i % 2 == 0 else torch.empty(2) for i in range(len(modules))]
-    stats.extra[PARAM_NORMS] = dict.fromkeys(LAYERS, 1.0)
-    return stats
+    return layer_stats(step, values, dict.fromkeys(LAYERS, 1.0))
 
 
 def _sequence(seed: int, thr: float, steps: int) -> list[dict[str, float]]:

@@ -9,21 +9,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import EncoderHead
 from rich.console import Console
 from torch import nn
 
 import gradwatch
 from gradwatch.observe.zero_grad import ZeroGradTracker
 
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+Net = EncoderHead
 
 
 def batches(n: int, seed: int = 0) -> list[torch.Tensor]:

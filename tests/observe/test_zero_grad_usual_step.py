@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import EncoderHead
 from torch import nn
 
 import gradwatch
@@ -22,14 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 12
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+Net = EncoderHead
 
 
 def _x(step: int, k: int = 0) -> torch.Tensor:
