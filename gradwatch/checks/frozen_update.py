@@ -19,6 +19,7 @@ from gradwatch.core.stats import StepStats
 from gradwatch.core.trend import once_per_check
 
 _KEY = "frozen_param_updated"
+_NOTE = "frozen_param_updated/moved"
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _MOVING_STATE = ("momentum_buffer", "exp_avg", "square_avg", "acc_delta", "exp_inf", "ax", "mu_product")
 
@@ -55,7 +56,10 @@ def _frozen_moved(stats: StepStats, history: History) -> tuple[list[str], list[s
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     names, why = _moved(stats, history)
-    if not names or history.reported.get(_KEY) == tuple(names):
+    if not names:
+        return []
+    stats.extra[_NOTE] = tuple(names)  # for remember: the flags are read once per step (a property per parameter)
+    if history.reported.get(_KEY) == tuple(names):
         return []
     opt = stats.extra.get("optimizer")
     kind = type(opt).__name__
@@ -80,6 +84,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    names, _ = _moved(stats, history)
+    names = stats.extra.get(_NOTE)
     if names:
-        history.reported[_KEY] = tuple(names)
+        history.reported[_KEY] = names

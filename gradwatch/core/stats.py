@@ -111,6 +111,7 @@ StepExtra = TypedDict(
         "optimizer": "torch.optim.Optimizer | None",  # the optimizer of this step (None: optimizer-less use)
         "unregistered": "list[tuple[str, str]]",  # (name, how) of trainable tensors the model never registered
         "member_of": Any,  # ParamIndex.member_of: the ModuleList/ModuleDict element of a parameter (none_grad)
+        "frozen_param_updated/moved": "tuple[str, ...]",  # frozen_update: the frozen parameters the step moves
         "grad_dropped": "frozenset[str]",  # parameters the graph reached whose gradient the code set to None
         "several_optimizers": bool,  # more than one watched optimizer
         "cleared_between_backwards": bool,  # zero_grad() ran between two backward passes of this step
