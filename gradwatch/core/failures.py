@@ -2,7 +2,8 @@
 
 :func:`internal_warning` reports an exception caught inside gradwatch once per place (as a
 :class:`GradWatchInternalWarning`), :func:`safe_warn` warns without letting a warnings filter set to "error"
-raise into the loop, :func:`call_each` calls a list of functions so that one failing leaves the others running,
+raise into the loop, :func:`call_each` calls a list of functions so that one failing leaves the others running
+(:class:`Fanout`: the same method of several objects),
 and :func:`host_rng_kept` puts the user's Python and NumPy random state back around
 gradwatch's own work. Every part (observers, checks, diagnosis, reporters) uses these; they import nothing of
 gradwatch but :mod:`gradwatch.core.compat`.
@@ -150,3 +151,52 @@ def _call_rest(
             raise
         except Exception as again:  # noqa: BLE001
             exc = again
+
+
+class Fanout:
+    """The objects of ``items`` that define a method, and calls to all of them through :func:`call_each`.
+
+    Each method's bound methods are resolved once (a healthy step calls the same few every time), again when
+    ``items`` (a list the owner edits in place) changes length. One that raises is reported once per class
+    (``where``: ``Class.method``) and the others still run; exceptions of a ``passes`` type propagate.
+
+    Args:
+        items: The objects, in call order.
+        owner: Whose internal failures these are; None: each object's own.
+        passes: Exception types that go through (an extension's ``GradWatchError``).
+    """
+
+    def __init__(self, items: list[Any], owner: Any = None, passes: tuple[type[BaseException], ...] = ()) -> None:
+        self.items = items
+        self.owner = owner
+        self.passes = passes
+        self._methods: dict[str, tuple[list[tuple[Any, Any]], list[Any], Callable[[int, Exception], None]]] = {}
+        self._resolved_for = 0
+
+    def methods(self, method: str) -> list[tuple[Any, Any]]:
+        """``(object, bound method)`` of every object that defines ``method``, in order."""
+        return self._resolved(method)[0]
+
+    def call(self, method: str, *args: Any) -> None:
+        """``method(*args)`` on every object that defines it."""
+        entry = self._methods.get(method) if self._resolved_for == len(self.items) else None
+        if entry is None:
+            entry = self._resolved(method)
+        if entry[1]:
+            call_each(entry[1], args, entry[2], self.passes)
+
+    def _resolved(self, method: str) -> tuple[list[tuple[Any, Any]], list[Any], Callable[[int, Exception], None]]:
+        if self._resolved_for != len(self.items):
+            self._methods = {}
+            self._resolved_for = len(self.items)
+        entry = self._methods.get(method)
+        if entry is None:
+            found = [(obj, fn) for obj in self.items if (fn := getattr(obj, method, None)) is not None]
+
+            def failed(i: int, exc: Exception) -> None:
+                obj = found[i][0]
+                owner = obj if self.owner is None else self.owner
+                internal_warning(f"{type(obj).__name__}.{method}", exc, owner=owner, key=type(obj).__name__)
+
+            entry = self._methods[method] = (found, [fn for _obj, fn in found], failed)
+        return entry

@@ -403,7 +403,7 @@ def _split_norms(grads: list[torch.Tensor], plan: NormPlan) -> torch.Tensor:
     for idx, dims in plan.groups:  # a norm over every dimension but the stacking one: one per gradient
         parts.append(torch.linalg.vector_norm(torch.stack(list(map(take, idx))), dim=dims))
     if plan.rest:
-        parts.append(torch.stack(torch._foreach_norm(list(map(take, plan.rest)), 2, dtype=torch.float32)))
+        parts.append(_fused_norms(list(map(take, plan.rest)), torch.float32))
     norms = torch.cat(parts) if len(parts) > 1 else parts[0]
     return norms if plan.back is None else norms[plan.back]
 

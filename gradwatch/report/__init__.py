@@ -7,12 +7,11 @@ reporter (a full disk, a closed stdout, a broken writer) is reported once as a
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from typing import Any, Protocol
 
-from gradwatch.core.failures import GradWatchInternalWarning, call_each, internal_warning, safe_warn
+from gradwatch.core.failures import Fanout, GradWatchInternalWarning, internal_warning, safe_warn
 from gradwatch.core.findings import Finding
 
 _recreated: set[tuple[str, int]] = set()
@@ -62,34 +61,14 @@ class Reporters:
 
     def __init__(self, reporters: list[Any]) -> None:
         self.items = list(reporters)
-        # Per method name: ``(reporter, bound method)`` of the reporters that define it, resolved once (the
-        # scalars go out every checked step), again whenever ``items`` changes length.
-        self._methods: dict[str, list[tuple[Any, Any]]] = {}
-        self._fns: dict[str, tuple[list[Any], Any]] = {}  # the bound methods alone, and what reports a failure
-        self._resolved_for = 0
+        # Per method name, the reporters that define it, resolved once (the scalars go out every checked step),
+        # again whenever ``items`` changes length; each reporter's failures are its own.
+        self._fanout = Fanout(self.items)
+        #: ``call(method, *args)``: ``method(*args)`` on every reporter that defines it.
+        self.call = self._fanout.call
 
     def add(self, reporter: Any) -> None:
         self.items.append(reporter)
-        self._resolved_for = -1
-
-    def _with(self, method: str) -> list[tuple[Any, Any]]:
-        if self._resolved_for != len(self.items):
-            self._methods = {}
-            self._resolved_for = len(self.items)
-        found = self._methods.get(method)
-        if found is None:
-            found = self._methods[method] = [(r, fn) for r in self.items if (fn := getattr(r, method, None)) is not None]
-            self._fns[method] = ([fn for _r, fn in found], functools.partial(self._failed, method))
-        return found
-
-    def call(self, method: str, *args: Any) -> None:
-        if self._with(method):
-            fns, failed = self._fns[method]
-            call_each(fns, args, failed)
-
-    def _failed(self, method: str, i: int, exc: Exception) -> None:  # a reporter must never stop training
-        r = self._methods[method][i][0]
-        internal_warning(f"{type(r).__name__}.{method}", exc, owner=r, key=type(r).__name__)
 
     def findings(self, findings: list[Finding]) -> None:
         """One step's findings: to reporters that take them together (the console groups an incident's
