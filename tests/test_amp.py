@@ -617,6 +617,50 @@ def test_most_updates_dropped_by_a_far_too_high_init_scale_is_a_warning_not_norm
     assert 16 <= f.data["overflow_steps"] < 30 and "normal" not in f.message
 
 
+@pytest.mark.parametrize("hand_scaler", [True, False], ids=["scaler-handed", "scaler-found"])
+def test_a_far_too_high_init_scale_is_reported_while_the_run_goes_on_not_only_at_close(hand_scaler: bool) -> None:
+    # init_scale 2**60: no update can go through for ~45 steps. No optimizer step ever runs, so no check of
+    # gradwatch's either; the warning comes from backward, after 32 dropped updates, naming init_scale.
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    extra = {"scaler": scaler} if hand_scaler else {}
+    with gradwatch.watch(model, opt, console=plain_console(), **extra) as gw:
+        amp_loop(model, opt, scaler, 36)
+        during = list(gw.findings)
+    (f,) = during
+    assert (f.kind, f.severity, f.step) == ("amp_overflow_persistent", "warning", 31)
+    assert "No update has gone through yet" in f.message and "init_scale" in f.message.split("Fix:")[1]
+    assert [g.kind for g in gw.findings] == ["amp_overflow_persistent", "amp_overflow"]  # and the streak at close
+
+
+def test_a_training_script_s_module_level_scaler_is_found_at_close(tmp_path: Any) -> None:
+    # A script's top-level frame holds its variables twice (its locals are its globals): one scaler, not two.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "import gradwatch\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "scaler = torch.amp.GradScaler('cpu', init_scale=2.0**60)\n"
+        "gw = gradwatch.watch(model, opt, console=False)\n"
+        "for step in range(20):\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = model(torch.randn(16, 4)).pow(2).mean()\n"
+        "    opt.zero_grad()\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(opt)\n"
+        "    scaler.update()\n"
+        "gw.close()\n"
+    )
+    import runpy
+
+    found = runpy.run_path(str(script), run_name="__main__")["gw"].findings
+    assert [(f.kind, f.severity, f.data["overflow_steps"]) for f in found] == [("amp_overflow", "warning", 20)]
+
+
 def test_lightning_fit_that_ends_while_the_scaler_drops_every_update_is_a_warning() -> None:
     pl = _lightning()
     from lightning.pytorch.plugins import MixedPrecision

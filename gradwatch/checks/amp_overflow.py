@@ -100,12 +100,23 @@ def _persistent_finding(stats: StepStats, amp: dict[str, Any], data: dict[str, A
             why="every skipped step is a lost update; when the scale keeps falling the "
             "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
             "stops training.",
-            fix="check the loss and the inputs for NaN/Inf (run a few steps without "
+            fix=_start_lower(amp) + "check the loss and the inputs for NaN/Inf (run a few steps without "
             "autocast: gradwatch then names the op), keep overflow-prone ops (softmax, norms, large "
             "reductions, exp) in float32, lower the learning rate, or train in bf16 "
             "(precision='bf16-mixed', torch.autocast(dtype=torch.bfloat16)), which needs no scaler.",
         ),
         data=data,
+    )
+
+
+def _start_lower(amp: dict[str, Any]) -> str:
+    """No update yet and the scale still far above 1 after all these halvings: it started far too high."""
+    scale = amp.get("new_scale")
+    if not (amp.get("no_update_yet") and isinstance(scale, (int, float)) and scale >= 1.0):
+        return ""
+    return (
+        "start from the default init_scale (65536) or lower (GradScaler(init_scale=...)): each dropped step "
+        f"only halves the scale, and it is still {_fmt(scale)}; if it then keeps falling, "
     )
 
 

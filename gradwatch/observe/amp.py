@@ -27,7 +27,8 @@ step's statistics):
   nothing was dropped (none for G when only D's loss is observed), and the dropped step is named as the
   optimizer usually checked before it.
   The scaler is the one handed to ``watch(..., scaler=scaler)``, or else the one whose ``step()`` is
-  found calling the optimizer. Those steps count as optimizer steps (as in Lightning's
+  found calling the optimizer, or, while no update has gone through (no check can have run), the loop's
+  ``scaler`` variable, looked for from backward. Those steps count as optimizer steps (as in Lightning's
   ``global_step``), so step numbers match the loop's iterations. Fused optimizers are stepped on every
   iteration with ``found_inf`` attached, which gradwatch reads.
 - Lightning (``precision="16-mixed"`` with a scaler): ``on_before_optimizer_step`` runs after the
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -58,6 +60,10 @@ from gradwatch.observe.tracing import library_frame, traceback_entries
 PERSISTENT_STEPS = 8
 #: A loss scale below this means gradients overflow fp16 even unscaled: a persistent overflow.
 SCALE_FLOOR = 1.0
+#: Before any update has gone through, this many overflow steps in a row is a persistent overflow too: finding
+#: the scale from the default init_scale (2**16) takes a few halvings, and 32 would take it below SCALE_FLOOR,
+#: so only a far too high init_scale (or an overflow that never ends) gets here.
+UNSETTLED_STEPS = 32
 
 
 class AmpMonitor:
@@ -90,6 +96,8 @@ class AmpMonitor:
         self._version_at_step = 0
         self._cleared_since_step = False
         self._unstepped = 0
+        self._passes_unstepped = 0  # backward passes before any optimizer step, while the scaler is unknown
+        self._next_scan = PERSISTENT_STEPS
         # Per optimizer: how many losses its last check observed when the scaler dropped no step before it,
         # i.e. how many of the losses observed since the previous check are its step's own.
         self._own_losses: dict[int, int] = {}
@@ -100,7 +108,7 @@ class AmpMonitor:
 
     def attach(self, engine: Any) -> None:
         self._engine = engine
-        if self.integration == "plain" and self.scaler is not None:
+        if self.integration == "plain":
             self._watch_unstepped_cycles(engine)
 
     # -- no optimizer step at all ------------------------------------------------------------------
@@ -112,6 +120,8 @@ class AmpMonitor:
         many updates ran since the last optimizer step, with no sync; each of them dropped its step.
         Whether the parameter's gradient was ever a new tensor in between tells a forgotten
         ``zero_grad`` (the first overflow's Inf stays in ``.grad`` and every later step overflows too).
+        A scaler not handed to ``watch`` is looked for (:meth:`_adopt_scaler`) while no update has gone
+        through: only then can no check of gradwatch's have found it.
         """
         sentinel = next(
             (p for op in engine.index.per_optimizer for p in op.params if p.requires_grad and p.is_leaf), None
@@ -122,8 +132,12 @@ class AmpMonitor:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         engine = self._engine
+        if engine is None or engine.closed:
+            return
+        if self.scaler is None and not self._adopt_scaler(engine):
+            return
         scale = getattr(self.scaler, "_scale", None)
-        if engine is None or engine.closed or not isinstance(scale, torch.Tensor):
+        if not isinstance(scale, torch.Tensor):
             return
         try:
             grad = param.grad
@@ -137,10 +151,34 @@ class AmpMonitor:
             if grad is not None:
                 self._grad_ref = weakref.ref(grad)
             self._unstepped = scale._version - self._version_at_step  # scaler.update() calls since
-            if self._unstepped >= PERSISTENT_STEPS and not self._persistent_reported:
+            if self._unstepped >= PERSISTENT_STEPS and not self._persistent_reported:  # (see _report for when)
                 self._check_unstepped(engine, never_cleared=not self._cleared_since_step)
         except Exception as exc:  # noqa: BLE001 - never break the user's backward
             internal_warning("AmpMonitor (unstepped iterations)", exc, owner=engine)
+
+    def _adopt_scaler(self, engine: Any) -> bool:
+        """A plain loop whose scaler was not handed over and no update has gone through yet: no check ran, so
+        none found the scaler. After PERSISTENT_STEPS backward passes without an optimizer step (then after
+        twice as many, and so on: a few stack walks of ~20 us in a run that accumulates), the loop's
+        ``scaler`` variable is looked for; found, its updates since it was made are counted from its
+        scale's version counter (0 when made: ``scaler.update()`` writes it in place once per call)."""
+        try:
+            if any(engine.step_counts):
+                return False  # an update went through: the checks look for the scaler (before_sync)
+            self._passes_unstepped += 1
+            if self._passes_unstepped < self._next_scan:
+                return False
+            self._next_scan *= 2
+            scaler = _scaler_of_training_thread()
+            if scaler is None or not isinstance(getattr(scaler, "_scale", None), torch.Tensor):
+                return False
+            self.scaler = scaler
+            self._steps_at_last_cycle = 0
+            self._version_at_step = 0  # every update since the scale was made dropped its step
+            return True
+        except Exception as exc:  # noqa: BLE001 - never break the user's backward
+            internal_warning("AmpMonitor (looking for the scaler)", exc, owner=engine)
+            return False
 
     def _check_unstepped(self, engine: Any, never_cleared: bool = False) -> None:
         scaler = self.scaler
@@ -148,7 +186,8 @@ class AmpMonitor:
             return
         scale = float(scaler._scale.item())  # a degenerate run only: no update for many iterations
         stats = StepStats(step=engine.step_counts[0] + self._unstepped - 1)  # the last dropped step
-        self._consecutive = self._unstepped
+        # A look at the streak so far: close() counts these steps again from the scale, as if not looked at.
+        consecutive, self._consecutive = self._consecutive, self._unstepped
         streak, self._streak = (
             self._streak,
             {
@@ -162,7 +201,7 @@ class AmpMonitor:
         try:
             self._report(stats, done=None, no_update_yet=not self._settled, grads_never_cleared=never_cleared)
         finally:
-            self._streak = streak
+            self._streak, self._consecutive = streak, consecutive
         from gradwatch.checks import amp_overflow
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
@@ -420,7 +459,7 @@ class AmpMonitor:
         persistent = False
         if not self._persistent_reported and (
             streak["new_scale"] < SCALE_FLOOR
-            or (self._settled and self._consecutive >= PERSISTENT_STEPS)
+            or self._consecutive >= (PERSISTENT_STEPS if self._settled else UNSETTLED_STEPS)
             or more.get("grads_never_cleared")  # the overflow can never end: conclusive at once
         ):
             persistent = self._persistent_reported = True
@@ -702,8 +741,23 @@ def _on_traceback(exc: BaseException, function: str, package: str) -> bool:
 def _scaler_in_callers(depth: int) -> Any:
     """The one GradScaler that scaled a loss held by a local or global variable of the calling frames (at
     close: the training loop's ``scaler``), or None."""
-    found = [s for s in _scalers_held(_callers(sys._getframe(1), depth)) if getattr(s, "_scale", None) is not None]
+    return _one_scaler(_callers(sys._getframe(1), depth))
+
+
+def _one_scaler(frames: Iterable[Any]) -> Any:
+    found = [s for s in _scalers_held(frames) if getattr(s, "_scale", None) is not None]
     return found[0] if len(found) == 1 else None
+
+
+def _scaler_of_training_thread(depth: int = 32) -> Any:
+    """From a backward hook: the one GradScaler the loop that called ``backward()`` holds. On the CPU the hook
+    runs on that thread, below the loop's frames; a GPU's backward runs on autograd's own thread, so the
+    main thread's frames (the loop, waiting in ``backward()``) are looked at then."""
+    found = _one_scaler(_callers(sys._getframe(1), depth))
+    if found is None and threading.current_thread() is not threading.main_thread():
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        found = _one_scaler(_callers(frame, depth)) if frame is not None else None
+    return found
 
 
 def _callers(frame: Any, depth: int) -> Iterator[Any]:
@@ -730,7 +784,9 @@ def _scalers_held(frames: Iterable[Any]) -> list[Any]:
                 values.append(getattr(holder, "scaler", None))
         except Exception:  # noqa: BLE001, S110 - a property that fails: no scaler there
             pass
-        found += [v for v in values if _is_scaler(v) and all(v is not s for s in found)]
+        for v in values:  # a script's module-level frame holds its variables twice (locals are its globals)
+            if _is_scaler(v) and all(v is not s for s in found):
+                found.append(v)
     return found
 
 
