@@ -169,7 +169,7 @@ class AmpMonitor:
             if self._passes_unstepped < self._next_scan:
                 return False
             self._next_scan *= 2
-            scaler = _scaler_of_training_thread()
+            scaler = scaler_of_training_thread()
             if scaler is None or not isinstance(getattr(scaler, "_scale", None), torch.Tensor):
                 return False
             self.scaler = scaler
@@ -749,7 +749,7 @@ def _one_scaler(frames: Iterable[Any]) -> Any:
     return found[0] if len(found) == 1 else None
 
 
-def _scaler_of_training_thread(depth: int = 32) -> Any:
+def scaler_of_training_thread(depth: int = 32) -> Any:
     """From a backward hook: the one GradScaler the loop that called ``backward()`` holds. On the CPU the hook
     runs on that thread, below the loop's frames; a GPU's backward runs on autograd's own thread, so the
     main thread's frames (the loop, waiting in ``backward()``) are looked at then."""
