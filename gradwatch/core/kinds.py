@@ -69,6 +69,7 @@ KINDS: tuple[Kind, ...] = (
     # mixed precision
     Kind("amp_overflow", "info", "a GradScaler dropped updates (a warning when most updates are dropped)"),
     Kind("amp_overflow_persistent", "warning", "the GradScaler keeps overflowing after it settled"),
+    Kind("clip_before_unscale", "warning", "gradients clipped while a GradScaler still scaled them: every update shrunk"),
 )
 
 #: Kind name -> row.

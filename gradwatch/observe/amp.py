@@ -210,8 +210,11 @@ class AmpMonitor:
     # -- before the sync ---------------------------------------------------------------------------
     def before_sync(self, ctx: Any) -> None:
         self._slots = {}
-        if self.scaler is None and self.integration == "plain":
-            self._look_for_scaler()
+        if self.integration == "plain":
+            if self.scaler is None:
+                self._look_for_scaler()
+            if (self.scaler is None) == (self._hook is not None):
+                self._rehook()
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
             return
@@ -234,6 +237,16 @@ class AmpMonitor:
             norms = torch.cat([batch.part(slot) for slot, _ in ctx.norm_slots])
             self._slots["found_inf"] = batch.add((~torch.isfinite(norms)).any().float())
             ctx.slots["amp_scaler_skips"] = self._slots["found_inf"]
+
+    def _rehook(self) -> None:
+        """At a check (never inside backward): the backward hook is kept while it has a use, counting the
+        found scaler's dropped updates. Without a scaler it goes: a check ran, so none is looked for from
+        backward any more (see :meth:`_adopt_scaler`); the checks look for it, and hook again when found."""
+        if self.scaler is None:
+            self._hook.remove()
+            self._hook = None
+        else:
+            self._watch_unstepped_cycles(self._engine)
 
     def _look_for_scaler(self) -> None:
         """Looked for on the first checks, then every SCAN_EVERY-th (a stack walk costs ~20 us): a scaler

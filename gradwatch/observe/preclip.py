@@ -196,6 +196,7 @@ class BackwardNorms:
             scale = 1.0
         if scale != 1.0:  # the backward norms are of the scaled gradients
             _rescale(stats, 1.0 / scale, self.engine.config.per_layer)
+            stats.extra["unscaled_by"] = scale
         if _BEFORE not in slots:
             return
         before, now = values[slots[_BEFORE]][0] / scale, values[slots[_NOW]][0]

@@ -68,6 +68,8 @@ class StepWatch:
         self._remove()  # a step started: from now on the checks see every update
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self.seen.reported:
+            return  # (the hooks go at the next step or at close: not while backward runs them)
         try:
             g = param.grad
             if g is None:
@@ -87,7 +89,6 @@ class StepWatch:
         from gradwatch.observe.amp import scaler_of_training_thread
 
         self.seen.reported = True
-        self._remove()
         if scaler_of_training_thread() is not None:
             return  # a GradScaler dropping every update: the AMP monitor reports that
         engine = self._engine
