@@ -17,9 +17,6 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
         from gradwatch.observe.preclip import BackwardNorms
 
         exts.append(BackwardNorms())  # before ZeroGradTracker: it reads the norms of a cleared step
-        from gradwatch.observe.unstepped import StepWatch
-
-        exts.append(StepWatch())  # a loop that never steps: no check would ever run
     from gradwatch.observe.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker(integration=integration))

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Explanation, Finding, names_text
@@ -124,7 +125,9 @@ class AmpMonitor:
         through: only then can no check of gradwatch's have found it.
         """
         sentinel = next(
-            (p for op in engine.index.per_optimizer for p in op.params if p.requires_grad and p.is_leaf), None
+            (p for op in engine.index.per_optimizer for p in op.params if p.requires_grad and p.is_leaf
+             and not is_lazy(p)),  # a lazy module's parameter takes no hook before its first forward
+            None,
         )
         if sentinel is None or not hasattr(sentinel, "register_post_accumulate_grad_hook"):
             return
