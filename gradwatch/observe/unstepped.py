@@ -4,8 +4,9 @@ No per-step cost: the backward passes are those the zero-grad observer counts on
 representative parameter (:mod:`gradwatch.observe.zero_grad`; its count restarts at each of that optimizer's
 checks only, so with no step it holds every pass of the run), the steps are the engine's count for this run
 (``Engine.run_step_counts``: a resumed run starts from 0 again). Nothing is said when an exception ended the
-run (it stopped before it could step), or when another optimizer took the gradients (``unwatched_optimizer``
-and ``optimizer_recreated`` say so already). The words are :mod:`gradwatch.checks.no_optimizer_step`'s.
+run (it stopped before it could step), when another optimizer took the gradients (``unwatched_optimizer``
+and ``optimizer_recreated`` say so already), or when a GradScaler dropped the updates (``amp_overflow``).
+The words are :mod:`gradwatch.checks.no_optimizer_step`'s.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 from gradwatch.observe.zero_grad import ZeroGradTracker
 
-#: Findings that already explain a watched optimizer that does not step.
-_EXPLAINED_BY = ("unwatched_optimizer", "optimizer_recreated")
+#: Findings that already explain a watched optimizer that does not step (``amp_overflow``: a GradScaler
+#: dropped the updates, which ``scaler.step()`` then never hands to the optimizer).
+_EXPLAINED_BY = ("unwatched_optimizer", "optimizer_recreated", "amp_overflow")
 
 
 def unstepped(run_step_counts: list[int], passes: dict[int, int]) -> list[tuple[int, int]]:
