@@ -70,6 +70,7 @@ def _next(state: Any, stats: StepStats) -> tuple[Any, tuple[int, int, int, int] 
 
 
 def facts_of(stats: StepStats) -> ZeroGradFacts:
+    """The zero-grad observer's facts of this step (empty when it wrote none)."""
     return stats.extra.get("zero_grad") or {}
 
 

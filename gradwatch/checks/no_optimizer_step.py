@@ -1,9 +1,9 @@
 """``no_optimizer_step``: backward passes filled an optimizer's gradients, and the run ended without that
 optimizer ever stepping on them: the weights are still where they started.
 
-Decided once, when the run ends normally (not on an exception): the facts come from the zero-grad observer
-(:mod:`gradwatch.observe.zero_grad`, which counts the backward passes reaching each optimizer and the
-optimizer's step count at the first of them). Usual causes: ``optimizer.step()`` forgotten; accumulation
+Decided once, when the run ends normally (not on an exception), by :mod:`gradwatch.observe.unstepped` from
+the backward passes the zero-grad observer counted on each optimizer and the optimizer's steps in this run
+(a resumed run counts from its resume). Usual causes: ``optimizer.step()`` forgotten; accumulation
 whose ``if (i + 1) % k == 0:`` never holds because the loader has fewer than ``k`` batches (``i`` restarts
 every epoch); Lightning manual optimization without ``opt.step()``; an ``optimizer_step`` override that runs
 the closure but never steps. One backward pass alone (a sanity check before training) is not reported.
