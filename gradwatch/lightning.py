@@ -551,6 +551,8 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
         if not self._owns(trainer):
             return
         engine = self.engine
+        if engine is not None:
+            engine.interrupted = True
         if engine is not None and isinstance(exception, Exception) and not engine.closed:
             engine.explain_exception(exception, step=int(trainer.global_step))
         self._shutdown()

@@ -223,6 +223,7 @@ class Watcher:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         try:
+            self.engine.interrupted = exc is not None
             if exc is not None and isinstance(exc, Exception):
                 self.engine.explain_exception(exc)
         finally:

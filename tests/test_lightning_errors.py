@@ -314,6 +314,40 @@ def test_backward_called_in_training_step_is_explained_the_lightning_way() -> No
     assert "remove loss.backward() from training_step" in f.message
 
 
+class TwoManualBackwards(pl.LightningModule):
+    """Manual optimization: two losses of one forward, each through self.manual_backward, no retain_graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        out = self.net(batch[0])
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(out, batch[1]))
+        self.manual_backward(out.abs().mean())  # the first call freed the graph both losses share
+        opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return tiny_data()
+
+
+def test_manual_backward_twice_through_one_graph_is_the_users_own_backward() -> None:
+    # In manual optimization Lightning runs no backward of its own: the words for automatic optimization
+    # ("remove loss.backward() from training_step ... set self.automatic_optimization = False") were wrong here.
+    cb = GradWatchCallback(console=False)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        tiny_trainer(pl, [cb], max_steps=3).fit(TwoManualBackwards())
+    [f] = [f for f in cb.findings if f.kind == "backward_twice"]
+    assert (f.step, f.data["cause"]) == (0, "same_step")
+    assert "automatic_optimization" not in f.message
+
+
 def test_loss_computed_under_no_grad_is_explained() -> None:
     cb = GradWatchCallback(console=False)
     with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):

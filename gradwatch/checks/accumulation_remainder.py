@@ -29,7 +29,7 @@ _OFF = "off"
 def _passes(stats: StepStats) -> int | None:
     """The backward passes this update sums, when each came from a forward of its own and nothing cleared
     the gradients in between; None otherwise."""
-    facts: ZeroGradFacts = stats.extra.get("zero_grad") or {}
+    facts = facts_of(stats)
     kept = facts.get("kept_passes")
     passes = stats.extra.get("backward_passes")
     if (
@@ -69,6 +69,27 @@ def _next(state: Any, stats: StepStats) -> tuple[Any, tuple[int, int, int, int] 
     return _OFF, None
 
 
+def facts_of(stats: StepStats) -> ZeroGradFacts:
+    """The zero-grad observer's facts of this step (empty when it wrote none)."""
+    return stats.extra.get("zero_grad") or {}
+
+
+def _fix(k: int, r: int, lightning: bool) -> str:
+    """Step on the epoch's last batch too, in the loop's own terms (Lightning's manual optimization: its
+    training_step's batch_idx and the Trainer's batch count; its epoch hook)."""
+    index, last, clear = (
+        ("batch_idx", "batch_idx + 1 == self.trainer.num_training_batches",
+         "self.optimizers().zero_grad() in on_train_epoch_start")
+        if lightning
+        else ("i", "i + 1 == len(loader)", "optimizer.zero_grad() at the start of each epoch")
+    )
+    return (
+        f"also step on the epoch's last batch: `if ({index} + 1) % {k} == 0 or {last}:` (its loss divided by {r}, "
+        f"not {k}); or call {clear} to drop the remainder; or DataLoader(drop_last=True) with a batch count "
+        f"divisible by {k}."
+    )
+
+
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if len(stats.names) == 0 or stats.extra.get("several_optimizers"):
         return []
@@ -101,10 +122,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 "are never stepped nor cleared, and their gradients go into the next epoch's first update.",
                 why=f"that update is {n / k:.2f}x the size of the others (with the loss divided by "
                 f"{k}) and mixes two epochs' batches; the remainder never gets an update of its own.",
-                fix=f"also step on the epoch's last batch: `if (i + 1) % {k} == 0 or i + 1 == len(loader):` "
-                f"(its loss divided by {r}, not {k}); or call optimizer.zero_grad() at the start of each epoch to "
-                f"drop the remainder; or DataLoader(drop_last=True) with a batch count divisible by {k}."
-                + ddp,
+                fix=_fix(k, r, bool(facts_of(stats).get("lightning"))) + ddp,
             ),
             data={"optimizer": i, "micro_batches": n, "usual": k, "period": period, "steps": [first, second]},
         )

@@ -94,6 +94,8 @@ class Engine:
         self.steps_skipped = 0
         self.consecutive_skips = 0
         self.step_counts = [0] * max(1, len(self.optimizers))
+        #: Steps per optimizer since this engine was built (``step_counts`` goes on from a checkpoint's).
+        self.run_step_counts = [0] * len(self.step_counts)
         #: The optimizer steps taken when the latest checked step was found non-finite: an exception on those
         #: same gradients before the update (a clipping hook that raises after the check) is reported already.
         self.blocked_at = -1
@@ -113,6 +115,8 @@ class Engine:
         self._scalars = StepScalars(config.layer_every, several_optimizers=len(self.optimizers) > 1)
         self._norm_sample = NormSample()
         self._closed = False
+        #: Set when an exception ends the run (close() then reports nothing about what the run did not reach).
+        self.interrupted = False
         self.started = time.time()
         self.reporters, self.log_dir = build_reporters(
             config, rank_zero=rank_zero, run_id=self.run_id, tb_writer=tb_writer, tb_log_dir=tb_log_dir,
@@ -342,6 +346,7 @@ class Engine:
     def step_done(self, opt_index: int = 0) -> None:
         """Count one optimizer step (applied, skipped, or skipped by an AMP scaler)."""
         self.step_counts[opt_index] += 1
+        self.run_step_counts[opt_index] += 1
         self.ledger.step_taken()  # the next zero_grad() is the usual one before a step
 
     # -- skipping an update (see UpdateGuard) --------------------------------------------------------

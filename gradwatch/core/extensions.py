@@ -20,6 +20,9 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.observe.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker(integration=integration))
+    from gradwatch.observe.unstepped import UnsteppedOptimizers
+
+    exts.append(UnsteppedOptimizers(integration=integration))  # after ZeroGradTracker: reads its pass counts
     from gradwatch.observe.half_update import HalfUpdateGuard
 
     exts.append(HalfUpdateGuard())  # float16 parameters with an eps that rounds to 0 only

@@ -42,6 +42,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("unwatched_optimizer", "warning", "an optimizer not given to watch() updates the model"),
     Kind("optimizer_recreated", "warning", "a new optimizer every step: its state restarts at every update"),
     Kind("no_grads", "error", "optimizer.step() with no gradient at all"),
+    Kind("no_optimizer_step", "error", "backward passes filled the gradients, but the optimizer never stepped"),
     Kind("weight_decay_too_large", "warning", "lr * weight_decay >= 1: every step flips and grows the weights"),
     # zero_grad and accumulation
     Kind("zero_grad_missing", "error", "gradients accumulate across steps: zero_grad() is not called"),

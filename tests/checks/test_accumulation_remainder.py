@@ -50,7 +50,7 @@ def _run(n: int, **kw: object) -> tuple[gradwatch.Watcher, nn.Module]:
     return gw, model
 
 
-def _found(gw: gradwatch.Watcher) -> list[gradwatch.Finding]:
+def _found(gw: Any) -> list[gradwatch.Finding]:
     return [f for f in gw.findings if f.kind == "accumulation_remainder"]
 
 
@@ -132,3 +132,41 @@ def test_lightning_steps_the_remainder_itself(lightning_pytorch: Any) -> None:
     trainer.fit(tiny_module(lightning_pytorch))
     assert cb.engine is not None and cb.engine.step_counts == [12]
     assert cb.findings == []
+
+
+def _manual_remainder_class(ns: Any) -> type:
+    class ManualRemainder(ns.LightningModule):  # type: ignore[misc,name-defined]
+        """Manual optimization stepping when (batch_idx + 1) % 4 == 0 over 10 batches an epoch."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            self.layer = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            self.manual_backward(nn.functional.mse_loss(self.layer(batch[0]), batch[1]) / ACC)
+            if (batch_idx + 1) % ACC == 0:
+                opt.step()
+                opt.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    return ManualRemainder
+
+
+def test_lightning_manual_optimization_gets_the_fix_in_its_own_terms(pl_ns: Any) -> None:
+    # The plain loop's `i + 1 == len(loader)` names nothing a training_step has: its batch index is batch_idx
+    # and the epoch's length is the Trainer's num_training_batches.
+    from helpers import tiny_data, tiny_trainer
+
+    from gradwatch.lightning import GradWatchCallback
+
+    cb = GradWatchCallback(console=False)
+    tiny_trainer(pl_ns, [cb], max_epochs=4, max_steps=-1).fit(_manual_remainder_class(pl_ns)(), tiny_data(n=80))
+    [f] = _found(cb)
+    assert "batch_idx + 1 == self.trainer.num_training_batches" in f.fix
+    assert "self.optimizers().zero_grad() in on_train_epoch_start" in f.fix
+    assert "len(loader)" not in f.fix

@@ -110,8 +110,13 @@ def graph_state_attrs(ctx: Context, limit: int = 8) -> list[str]:
 
 
 def lightning_backward(ctx: Context) -> bool:
-    """The failing backward() is Lightning's own (automatic optimization), not one in the user's code."""
+    """The failing backward() is Lightning's own (automatic optimization), not one in the user's code.
+
+    In manual optimization every backward is the user's (``self.manual_backward``, whose frames are
+    Lightning's): Lightning runs none of its own."""
     if ctx.tracer is None or ctx.tracer.integration != "lightning":
+        return False
+    if not getattr(ctx.engine.model, "automatic_optimization", True):
         return False
     for frame in reversed(ctx.frames):  # innermost first: the frame that called backward()
         if library_frame(frame):
