@@ -33,10 +33,19 @@ _FIXES = {
 }
 
 
-def never_stepped(step: int, i: int, passes: int, params: tuple[str, ...], integration: str) -> list[Finding]:
-    """The finding for optimizer ``i``, which took no step after ``passes`` backward passes reached it."""
+def never_stepped(
+    step: int, i: int, passes: int, params: tuple[str, ...], integration: str, *, so_far: bool = False
+) -> list[Finding]:
+    """The finding for optimizer ``i``, which took no step after ``passes`` backward passes reached it (``so_far``:
+    said while the run goes on, the passes cleared one after another)."""
     if passes < MIN_PASSES:
         return []
+    state = (
+        f"so far its parameters ({names_text(params)}) are as they were before the first backward pass, each "
+        "pass's gradients cleared before the next"
+        if so_far
+        else f"the run ended with its parameters ({names_text(params)}) as they were before the first backward pass"
+    )
     return [
         Finding(
             kind="no_optimizer_step",
@@ -44,8 +53,7 @@ def never_stepped(step: int, i: int, passes: int, params: tuple[str, ...], integ
             severity="error",
             explanation=Explanation(
                 what=f"{passes} backward passes put gradients into optimizer {i}'s parameters, but optimizer "
-                f"{i} never stepped on them: the run ended with its parameters ({names_text(params)}) as they "
-                "were before the first backward pass.",
+                f"{i} never stepped on them: {state}.",
                 why="the model did not train: every gradient was computed and thrown away.",
                 fix=_FIXES.get(integration, _FIXES["plain"]),
             ),

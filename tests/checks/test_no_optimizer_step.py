@@ -109,3 +109,108 @@ def test_lightning_manual_accumulation_that_never_steps(namespace: str) -> None:
     tiny_trainer(ns, [cb], max_steps=-1, max_epochs=2).fit(_manual_class(ns)(), tiny_data(n=24))
     assert kinds(cb) == [("no_optimizer_step", 0)]
     assert "num_training_batches" in cb.findings[0].fix
+
+
+# -- while the run goes on (plain loops) -------------------------------------------------------------------
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _loss(model: nn.Module, i: int) -> torch.Tensor:
+    x, y = _batch(i)
+    return nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_loop_that_never_steps_is_told_while_it_runs_and_after_it_is_stopped_by_hand(set_to_none: bool) -> None:
+    import warnings
+
+    from gradwatch.observe.unstepped import DURING_RUN
+
+    model, opt = _model()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    with pytest.raises(KeyboardInterrupt), gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(DURING_RUN + 10):
+            opt.zero_grad(set_to_none=set_to_none)
+            _loss(model, i).backward()
+            with warnings.catch_warnings():  # torch's own "lr_scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore")
+                sched.step()  # in place of optimizer.step()
+            if i == DURING_RUN:
+                during = kinds(gw)
+        raise KeyboardInterrupt  # the user stops a run whose loss does not go down
+    assert during == [("no_optimizer_step", 0)]
+    assert kinds(gw) == during  # once, and not dropped by the interrupt
+    f = gw.findings[0]
+    assert f.data["backward_passes"] == DURING_RUN + 1 and "so far" in f.message and "optimizer.step()" in f.fix
+
+
+def _attack_then_step(model: nn.Module, opt: torch.optim.Optimizer, i: int, attack_steps: int) -> None:
+    """Adversarial training whose attack steps call loss.backward(): gradients computed and cleared, then one update."""
+    x, y = _batch(i)
+    delta = torch.zeros_like(x, requires_grad=True)
+    for _ in range(attack_steps):
+        nn.functional.mse_loss(model(x + delta), y).backward()
+        with torch.no_grad():
+            delta += 0.01 * delta.grad.sign()
+        delta.grad = None
+        model.zero_grad()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x + delta.detach()), y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("loop", ["full_batch_accumulation", "adversarial", "lbfgs", "saliency_after_training"])
+def test_loops_that_step_or_only_accumulate_are_not_told(loop: str) -> None:
+    from gradwatch.observe.unstepped import DURING_RUN
+
+    model, opt = _model()
+    if loop == "lbfgs":
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=20)
+    with gradwatch.watch(model, opt, console=False) as gw:
+        if loop == "full_batch_accumulation":
+            passes = DURING_RUN + 20
+            for i in range(passes):  # one accumulation window over the whole data set
+                (_loss(model, i) / passes).backward()
+            opt.step()
+        elif loop == "adversarial":
+            for i in range(12):
+                _attack_then_step(model, opt, i, attack_steps=10)
+        elif loop == "lbfgs":
+            for i in range(4):
+
+                def closure(i: int = i) -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = _loss(model, i)
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)  # up to 20 evaluations inside each step, each cleared
+        else:
+            for i in range(5):
+                opt.zero_grad()
+                _loss(model, i).backward()
+                opt.step()
+            for i in range(DURING_RUN + 10):  # saliency maps of the trained model: gradients on purpose
+                x, y = _batch(i)
+                nn.functional.mse_loss(model(x.requires_grad_(True)), y).backward()
+                model.zero_grad()
+    assert "no_optimizer_step" not in [f.kind for f in gw.findings]
+
+
+def test_a_scaler_that_drops_every_update_is_not_called_a_forgotten_step() -> None:
+    from gradwatch.observe.unstepped import DURING_RUN
+
+    model, opt = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # every update overflows for ~90 steps
+    with gradwatch.watch(model, opt, console=False) as gw:
+        for i in range(DURING_RUN + 10):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(model, i).float()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    found = [f.kind for f in gw.findings]
+    assert "no_optimizer_step" not in found and "amp_overflow_persistent" in found
