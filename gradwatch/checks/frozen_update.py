@@ -3,7 +3,8 @@
 Freezing a layer mid-run with ``requires_grad_(False)`` stops new gradients, but ``zero_grad(set_to_none=
 False)`` leaves a zero gradient tensor in place, and an optimizer steps every parameter that has one:
 Adam and SGD with momentum keep moving it with their running averages, weight decay shrinks it. The
-"frozen" layer drifts. Healthy steps cost one C-level pass over the ``requires_grad`` flags; reported once
+"frozen" layer drifts. Healthy steps cost one C-level pass over the ``requires_grad`` flags, made when the
+gradients are gathered (``params_trainable``), before the norms stream every gradient through the cache; reported once
 per set of such parameters.
 """
 
@@ -26,9 +27,12 @@ _MOVING_STATE = ("momentum_buffer", "exp_avg", "square_avg", "acc_delta", "exp_i
 
 def _moved(stats: StepStats, history: History) -> tuple[list[str], list[str]]:
     """Frozen parameters the step will still move, and why (momentum / weight decay)."""
-    params = stats.extra.get("params")
-    if not isinstance(params, list) or len(params) != len(stats.names) or all(map(_REQUIRES_GRAD, params)):
-        return [], []  # the usual step: nothing frozen holds a gradient (one C pass, no memo to look up)
+    extra = stats.extra
+    params = extra.get("params")
+    if not isinstance(params, list) or len(params) != len(stats.names):
+        return [], []
+    if extra.get("params_trainable") or ("params_trainable" not in extra and all(map(_REQUIRES_GRAD, params))):
+        return [], []  # the usual step: nothing frozen holds a gradient (the flags read with the gradients)
     return _frozen_moved(stats, history)
 
 

@@ -235,6 +235,7 @@ class Engine:
         self.param_tracker.describe(stats, op, got.none, changed, self.extension)
         extra = stats.extra
         extra["params"] = got.params  # aligned with names; checks that need a parameter's flags read it
+        extra["params_trainable"] = got.trainable
         extra["lookup_layers"] = self.index.lookup_layers
         extra["optimizer"] = op.optimizer
         if len(self.optimizers) > 1:

@@ -131,6 +131,7 @@ StepExtra = TypedDict(
         "amp_dropped_here": bool,  # the scaler dropped this step on this rank
         "clipping": "dict[str, Any]",  # how the run clips: {"lightning", "how", "clip_val", ...}
         "clip_ratio": float,  # clipped over unclipped total norm of this step
+        "params_trainable": bool,  # every parameter in "params" requires grad (read before the norms)
         "unscaled_by": float,  # plain loops: the GradScaler's scale its unscale_ divided this step's gradients by
         "param_norms": "dict[str, float]",  # weight norm per layer (measured on some steps)
         "update_ratio": "dict[str, float]",  # update-to-weight norm ratio per layer

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from gradwatch.checks import CheckTable
     from gradwatch.core.engine import Engine
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 
 
@@ -56,6 +57,9 @@ class Gathered:
     none: list[str]
     #: Every parameter holds a gradient (the usual step: the index's own lists, which are never mutated).
     full: bool
+    #: Every parameter in ``params`` requires grad: read here, while the parameters are in the cache, not after
+    #: the norms have streamed every gradient through it (a pass over them then costs twice as much).
+    trainable: bool = True
 
 
 def gather(op: OptimizerParams) -> Gathered:
@@ -63,7 +67,7 @@ def gather(op: OptimizerParams) -> Gathered:
     every_grad = list(map(_GRAD, op.params))
     # Not ``None in`` (that calls Tensor.__eq__) nor a generator (a Python frame per parameter): a C loop.
     if all(map(operator.is_not, every_grad, itertools.repeat(None))):
-        return Gathered(every_grad, op.params, op.names, op.modules, [], True)
+        return Gathered(every_grad, op.params, op.names, op.modules, [], True, all(map(_REQUIRES_GRAD, op.params)))
     out = Gathered([], [], [], [], [], False)
     for p, n, m, g in zip(op.params, op.names, op.modules, every_grad):
         if g is None:
@@ -74,6 +78,7 @@ def gather(op: OptimizerParams) -> Gathered:
             out.params.append(p)
             out.names.append(n)
             out.modules.append(m)
+            out.trainable = out.trainable and p.requires_grad
     return out
 
 
