@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from gradwatch.core.failures import internal_warning, safe_warn
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
 from gradwatch.observe.module_hooks import owned
 from gradwatch.observe.rank_findings import (
@@ -52,6 +52,16 @@ from gradwatch.observe.rank_findings import (
     other_rank_input_finding,
     own_origin,
     relayed_finding,
+    skipped_step_finding,
+)
+from gradwatch.observe.skipped_step import (
+    backward_left_unstepped,
+    ddp_synced,
+    mark_probe,
+    probing_ranks,
+    ranks_that_saw_values,
+    under_fp16_autocast,
+    without_probes,
 )
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
@@ -144,6 +154,9 @@ class RankAgreement:
         self._fingerprints = 0  # checks that carried a fingerprint (FINGERPRINTS at most)
         self._fsdp1: dict[int, float | None] = {}  # id(param) -> replication factor, for FSDP1's parameters
         self._key = ""  # this watcher's name in the store (see _announce)
+        self._skip_guard: Any = None  # forward pre-hook: a step this rank's loop skipped (see skipped_step)
+        self._synced = False  # DDP synchronizes the backward of the latest forward
+        self._owed: tuple[list[float], bool] | None = None  # a probe's result, for the check this rank owes
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -185,6 +198,8 @@ class RankAgreement:
         found = self._ddp_cls is not None and any(isinstance(j, self._ddp_cls) for j in self._joinables)
         if self._ddp_cls is not None and not found and isinstance(model, torch.nn.Module):
             self._ddp_spotter = owned(model, model.register_forward_pre_hook(self._spot_ddp))
+        if self._ddp_cls is not None and self.world > 1 and isinstance(model, torch.nn.Module):
+            self._skip_guard = owned(model, model.register_forward_pre_hook(self._before_forward))
 
     def _spot_ddp(self, module: Any, args: Any) -> None:
         # DDP's forward names itself in a class attribute while it runs the wrapped module. O(1), and kept
@@ -199,6 +214,63 @@ class RankAgreement:
         if self._ddp_spotter is not None:
             self._ddp_spotter.remove()
             self._ddp_spotter = None
+        if self._skip_guard is not None:
+            self._skip_guard.remove()
+            self._skip_guard = None
+
+    # -- a step this rank's loop skipped (see gradwatch.observe.skipped_step) ------------------------
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        try:
+            if self._may_owe_check():
+                self._probe()
+            self._synced = ddp_synced(self._ddp_module())
+        except GradWatchError:
+            raise  # on_nonfinite="raise": every rank stops, this one too
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
+
+    def before_close(self) -> None:
+        """The loop ended right after a step it skipped on this rank: settle it, or the others wait for it."""
+        try:
+            if self._may_owe_check():
+                self._probe()
+        except Exception as exc:  # noqa: BLE001 - GradWatchError too: the loop is over, close() goes on
+            internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
+
+    def _may_owe_check(self) -> bool:
+        """A synchronized backward ran since this rank's last optimizer step, and the loop goes on without a
+        step: it accumulates (as every rank does), or it skipped the step here while the others wait in its
+        check. Only the probe tells them apart."""
+        engine = self._engine
+        if not self._synced or engine is None or not backward_left_unstepped(engine):
+            return False
+        dist = _dist()
+        if dist is None or self._any_sharded or under_fp16_autocast():
+            return False
+        return self._peers_watch(dist) and not self._in_join()
+
+    def _probe(self) -> None:
+        """The probe's all_reduce (one read); when other ranks were checking a step, the rest of that check."""
+        dist, w = _dist(), self.world
+        params = self._engine.index.per_optimizer[0].params
+        device = self._device(None, [params[0]] if params else [])
+        fingerprint = self._maybe_fingerprint(None, device)
+        vec = torch.zeros(2 * w + (2 if fingerprint is not None else 0), dtype=torch.float32, device=device)
+        if fingerprint is not None:
+            vec[-2:] = torch.stack([fingerprint, fingerprint * fingerprint])
+        mark_probe(vec, self.rank, w)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        values = vec.tolist()
+        if len(probing_ranks(values, w)) == w:
+            return  # every rank probed: no step is waiting for this one
+        self._owed = (values, fingerprint is not None)
+        try:
+            self._engine.check_step(0)
+        finally:
+            self._owed = None
+            self._engine.step_done(0)
 
     def _in_join(self) -> bool:
         """A ``Join`` context (uneven inputs) covers the watched module or optimizer, now or earlier in the
@@ -353,6 +425,13 @@ class RankAgreement:
             # rank for those, rank zero naming another rank's parameters or data, and sharded norms.
             return
         batch = ctx.batch
+        if self._owed is not None:
+            # The check this rank's loop skipped: its probe already ran the step's all_reduce with the others.
+            values, self._fingerprinted = self._owed
+            ctx.stats.extra["loop_skipped_step"] = True
+            self._sharded = []
+            self._slot = batch.add(torch.tensor(values, dtype=torch.float32, device=self._device(ctx, [])))
+            return
         parts = [batch.part(slot) for slot, _ in ctx.norm_slots]
         loss_slot = ctx.slots.get("loss", -1)
         if loss_slot >= 0:
@@ -502,6 +581,10 @@ class RankAgreement:
             self._fingerprints += 1
             self._replicas = self._same_everywhere(values[-2], values[-1])
             values = values[:-2]
+        probes = probing_ranks(values, self.world)
+        if probes:
+            values = without_probes(values, self.world)
+            stats.extra["loop_skipped_ranks"] = probes
         ranks, dropped = flagged_ranks(values, self.world)
         amp_slot = ctx.slots.get("amp_scaler_skips", -1)
         if dropped and amp_slot >= 0 and float(sum(ctx.batch.resolve()[amp_slot])) > 0:
@@ -516,8 +599,8 @@ class RankAgreement:
         if not ranks:
             return
         stats.extra["nonfinite_ranks"] = ranks
-        if any(r != self.rank for r in ranks):
-            stats.extra["any_rank_nonfinite"] = True
+        if any(r != self.rank for r in ranks) or self._owed is not None:
+            stats.extra["any_rank_nonfinite"] = True  # the owed check too: its incident's collectives pair up
         stats.extra["rank_reports"] = self._exchange(stats)
 
     def _exchange(self, stats: StepStats) -> list[dict[str, Any]]:
@@ -587,7 +670,17 @@ class RankAgreement:
         return [] if relayed is None else [relayed_finding(stats, relayed, self.rank)]
 
     def _incident(self, stats: StepStats, findings: list[Finding], ranks: list[int]) -> list[Finding]:
+        if self._owed is not None:
+            return []  # the check this rank's loop skipped: the ranks that stepped say it
         reports = stats.extra.get("rank_reports") or []
+        skipped = [r for r in stats.extra.get("loop_skipped_ranks") or () if r != self.rank]
+        said = [skipped_step_finding(stats, skipped)] if skipped else []
+        seen = ranks_that_saw_values(ranks, skipped, reports)
+        return (self._rank_incident(stats, findings, seen, reports) if seen else []) + said
+
+    def _rank_incident(
+        self, stats: StepStats, findings: list[Finding], ranks: list[int], reports: list[dict[str, Any]]
+    ) -> list[Finding]:
         input_ranks = sorted(r.get("rank", 0) for r in reports if r.get("inputs"))
         for f in findings:
             if f.kind in NONFINITE_KINDS:
