@@ -14,8 +14,6 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     if stats.extra.get("grads_cleared_before_step"):
         return []  # the zero_grad check explains this case precisely
-    if stats.extra.get("loop_skipped_step"):
-        return []  # a step this rank's loop skipped (distributed): no update reads these gradients
     if built_for_another_model(stats):
         return []  # foreign_params explains it: the optimizer holds another model's parameters
     key = f"no_grads/{stats.optimizer_index}"

@@ -29,8 +29,6 @@ def _noted(extra: dict) -> bool:
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     extra = stats.extra
-    if extra.get("loop_skipped_step"):
-        return []  # a step this rank's loop skipped (distributed): no update reads these gradients
     if not (_noted(extra) or "spans_other_step" in (extra.get("zero_grad") or ())):
         return []  # the usual step: nothing to report
     return _findings(stats, history)
@@ -62,8 +60,6 @@ def _findings(stats: StepStats, history: History) -> list[Finding]:
 def remember(stats: StepStats, history: History) -> None:
     i = stats.optimizer_index
     extra = stats.extra
-    if extra.get("loop_skipped_step"):
-        return  # a step this rank's loop skipped (distributed): nothing of it to remember
     if not (_noted(extra) or _SPANS in extra):
         history.memory[f"{_IN_LOOP}/{i}"] = False  # the usual step: nothing reported, no micro-batches cleared
         return

@@ -156,7 +156,7 @@ class RankAgreement:
         self._key = ""  # this watcher's name in the store (see _announce)
         self._skip_guard: Any = None  # forward pre-hook: a step this rank's loop skipped (see skipped_step)
         self._synced = False  # DDP synchronizes the backward of the latest forward
-        self._owed: tuple[list[float], bool] | None = None  # a probe's result, for the check this rank owes
+        self._loop_skipped: list[int] = []  # at this check: the ranks whose loop skipped it (their probes)
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -265,12 +265,27 @@ class RankAgreement:
         values = vec.tolist()
         if len(probing_ranks(values, w)) == w:
             return  # every rank probed: no step is waiting for this one
-        self._owed = (values, fingerprint is not None)
         try:
-            self._engine.check_step(0)
+            self._settle(values, fingerprint is not None)
         finally:
-            self._owed = None
-            self._engine.step_done(0)
+            self._engine.step_done(0)  # counted as the other ranks count it
+
+    def _settle(self, values: list[float], fingerprinted: bool) -> None:
+        """The rest of the check the other ranks run on the step this rank's loop skipped: their collectives
+        (what each rank saw, where the NaN was born), with nothing of this rank's own to add. Its flag makes
+        every rank skip that update; no check of its own runs (no update of its own took these gradients)."""
+        if fingerprinted:
+            self._fingerprints += 1
+            self._replicas = self._same_everywhere(values[-2], values[-1])
+        engine = self._engine
+        losses = list(engine.ledger.losses)  # observed since the last step: the skipped batch's (one read)
+        bad_loss = bool(losses) and not all(bool(torch.isfinite(loss).all()) for loss in losses)
+        engine.drop_losses()  # no update will take them: not held against the next step either
+        mine = {"rank": self.rank, "nonfinite": [], "nonfinite_count": 0, "loss_nonfinite": bad_loss,
+                "loss_observed": bool(losses), "inputs": []}
+        self._gather(mine)  # the others' _exchange: every flagged check runs it (this rank is flagged)
+        if not self._solo:
+            self._gather(None)  # the others' _origins_of_others, on their incident
 
     def _in_join(self) -> bool:
         """A ``Join`` context (uneven inputs) covers the watched module or optimizer, now or earlier in the
@@ -408,6 +423,7 @@ class RankAgreement:
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
         self._slot = -1
+        self._loop_skipped = []
         dist = _dist()
         if dist is None or self.world < 2:
             return
@@ -425,13 +441,6 @@ class RankAgreement:
             # rank for those, rank zero naming another rank's parameters or data, and sharded norms.
             return
         batch = ctx.batch
-        if self._owed is not None:
-            # The check this rank's loop skipped: its probe already ran the step's all_reduce with the others.
-            values, self._fingerprinted = self._owed
-            ctx.stats.extra["loop_skipped_step"] = True
-            self._sharded = []
-            self._slot = batch.add(torch.tensor(values, dtype=torch.float32, device=self._device(ctx, [])))
-            return
         parts = [batch.part(slot) for slot, _ in ctx.norm_slots]
         loss_slot = ctx.slots.get("loss", -1)
         if loss_slot >= 0:
@@ -581,10 +590,9 @@ class RankAgreement:
             self._fingerprints += 1
             self._replicas = self._same_everywhere(values[-2], values[-1])
             values = values[:-2]
-        probes = probing_ranks(values, self.world)
-        if probes:
+        self._loop_skipped = probing_ranks(values, self.world)
+        if self._loop_skipped:
             values = without_probes(values, self.world)
-            stats.extra["loop_skipped_ranks"] = probes
         ranks, dropped = flagged_ranks(values, self.world)
         amp_slot = ctx.slots.get("amp_scaler_skips", -1)
         if dropped and amp_slot >= 0 and float(sum(ctx.batch.resolve()[amp_slot])) > 0:
@@ -599,8 +607,8 @@ class RankAgreement:
         if not ranks:
             return
         stats.extra["nonfinite_ranks"] = ranks
-        if any(r != self.rank for r in ranks) or self._owed is not None:
-            stats.extra["any_rank_nonfinite"] = True  # the owed check too: its incident's collectives pair up
+        if any(r != self.rank for r in ranks):
+            stats.extra["any_rank_nonfinite"] = True
         stats.extra["rank_reports"] = self._exchange(stats)
 
     def _exchange(self, stats: StepStats) -> list[dict[str, Any]]:
@@ -618,9 +626,13 @@ class RankAgreement:
         }
         if dist is None:
             return [mine]
+        return [r for r in self._gather(mine) if isinstance(r, dict)]
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` (one all_gather_object; every rank of the agreement runs it at the same point)."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, mine, group=self.group)
-        return [r for r in out if isinstance(r, dict)]
+        _dist().all_gather_object(out, mine, group=self.group)
+        return out
 
     def _bad_inputs(self, stats: StepStats) -> list[list[Any]]:
         """This rank's step inputs that hold NaN/Inf, ``[[name, nan, inf], ...]`` (incident path: one read).
@@ -658,9 +670,8 @@ class RankAgreement:
             return []
         mine, loss_only = own_origin(findings)
         summary = origin_summary(self.rank, mine, loss_only)
-        out: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(out, summary, group=self.group)
+            out = self._gather(summary)
         except Exception as exc:  # noqa: BLE001
             internal_warning("RankAgreement (origins)", exc, owner=self._engine, key="RankAgreement.origins")
             return []
@@ -670,10 +681,8 @@ class RankAgreement:
         return [] if relayed is None else [relayed_finding(stats, relayed, self.rank)]
 
     def _incident(self, stats: StepStats, findings: list[Finding], ranks: list[int]) -> list[Finding]:
-        if self._owed is not None:
-            return []  # the check this rank's loop skipped: the ranks that stepped say it
         reports = stats.extra.get("rank_reports") or []
-        skipped = [r for r in stats.extra.get("loop_skipped_ranks") or () if r != self.rank]
+        skipped = [r for r in self._loop_skipped if r != self.rank]
         said = [skipped_step_finding(stats, skipped)] if skipped else []
         seen = ranks_that_saw_values(ranks, skipped, reports)
         return (self._rank_incident(stats, findings, seen, reports) if seen else []) + said

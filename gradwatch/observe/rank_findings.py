@@ -198,8 +198,8 @@ def skipped_step_finding(stats: StepStats, ranks: list[int]) -> Finding:
         explanation=Explanation(
             what=f"The training code of {which} skipped optimizer.step() at step {stats.step} on its own (a check "
             "of that rank's own loss or gradients after backward(), such as `if not torch.isfinite(loss): "
-            "continue`), while this rank stepped. gradwatch checked that step there too and skipped the update "
-            "on every rank, so the replicas stay identical.",
+            "continue`), while this rank stepped. gradwatch settled that step with that rank before its next "
+            "forward and skipped the update on every rank, so the replicas stay identical.",
             why="a step skipped on some ranks only leaves the ranks out of step: the next gradient all-reduce "
             "pairs with a collective of another iteration (gloo aborts, NCCL hangs), and the ranks that step "
             "apply an update the others do not.",

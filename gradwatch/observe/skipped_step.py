@@ -12,9 +12,9 @@ A rank cannot tell that case on its own from a loop that accumulates several syn
 optimizer step since. So in that case (only) the rank *probes*, before the forward: it runs the agreement's
 ``all_reduce`` with a probe mark. Where every rank probes (accumulation, or every rank skipping alike) the
 result says so to all of them and nothing else happens. Where some ranks are waiting in a step's check, the
-probe pairs with their ``all_reduce``; the probing ranks then run the rest of that check (same collectives,
-the step counted as the others count it), flagged so that every rank skips the update: the replicas stay
-identical, and the ranks that stepped report which rank skipped.
+probe pairs with their ``all_reduce``; the probing ranks then join the rest of that check's collectives (what
+each rank saw, where the NaN was born) and count the step as the others count it. Their flag makes every rank
+skip the update, so the replicas stay identical, and the ranks that stepped report which rank skipped.
 
 Layout of the probe in the agreement vector ``[0:world]`` (flags) and ``[world:2*world]`` (stale losses): a
 probing rank sets its flag to 1 and its stale slot to :data:`PROBE` (a stale loss adds at most 1 per rank).
