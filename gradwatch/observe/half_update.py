@@ -42,7 +42,8 @@ def _eps_underflows(group: dict[str, Any], dtype: torch.dtype = torch.float16) -
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         return False
     if dtype is not torch.float16:
-        return float(torch.tensor(float(eps), dtype=dtype)) == 0.0  # a CPU scalar, once per plan
+        info = torch.finfo(dtype)
+        return abs(float(eps)) <= info.tiny * info.eps / 2  # at most half the smallest subnormal: rounds to 0
     try:
         return struct.unpack("e", struct.pack("e", float(eps)))[0] == 0.0  # no tensor: no device read
     except OverflowError:
