@@ -545,6 +545,33 @@ def ddp_collective_nan(rank: int, how: str = "gather") -> dict[str, Any]:
             "skipped": gw.engine.steps_skipped, "console": console.file.getvalue()}
 
 
+def ddp_guarded_inner_bn(rank: int) -> dict[str, Any]:
+    """The per-rank guard of ``ddp_nan(guard=True, agreement=True)`` with the model inside the DDP wrapper watched,
+    a BatchNorm in it: DDP's forward broadcasts its buffers before the watched module's own hooks run."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    console = plain_console()
+    with gradwatch.watch(model.module, opt, console=console) as gw:
+        for step in range(STEPS):
+            bad = rank == 1 and step in (NAN_STEP, STEPS - 1)
+            loss = model(batch(step + rank * 50, rank, bad=bad)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if not torch.isfinite(loss):
+                continue  # this rank alone skips its step
+            opt.step()
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(model.module),
+        "skipped": gw.engine.steps_skipped,
+        "steps": list(gw.engine.step_counts),
+    }
+
+
 def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
     """DDP with the PowerSGD communication hook (error feedback and warm start, torch's defaults) from the second
     step on; a NaN in one sample of rank 1's batch at NAN_STEP."""
@@ -699,6 +726,7 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     # Before a rank's skipped step was settled, rank 0's agreement all_reduce paired with rank 1's next DDP
     # all-reduce (gloo aborted rank 0).
     "ddp_guarded_step_agreed": lambda r: ddp_nan(r, guard=True, agreement=True),
+    "ddp_guarded_inner_bn": ddp_guarded_inner_bn,
 }
 
 

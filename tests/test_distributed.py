@@ -311,7 +311,7 @@ COLLECTIVE_TIMEOUT = TIMEOUT  # a hang fails here instead of blocking the suite;
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline,"
-    names += "ddp_guarded_step_agreed"
+    names += "ddp_guarded_step_agreed,ddp_guarded_inner_bn"
     return _group_runs(tmp_path_factory, "dist_collective", names, COLLECTIVE_TIMEOUT)
 
 
@@ -464,10 +464,11 @@ def test_ranks_training_different_models_decide_alone_and_never_pair_collectives
 
 # https://github.com/ecmwf/WeatherGenerator/pull/2718 (a NaN skip decided on each rank's own loss; here after
 # backward: `loss.backward(); if not torch.isfinite(loss): continue`)
+@pytest.mark.parametrize("name", ["ddp_guarded_step_agreed", "ddp_guarded_inner_bn"])
 def test_a_step_one_rank_skips_on_its_own_is_skipped_on_every_rank_without_a_crash(
-    collective_runs: list[dict[str, Any]],
+    collective_runs: list[dict[str, Any]], name: str
 ) -> None:
-    r0, r1 = scenario(collective_runs, "ddp_guarded_step_agreed")  # both ranks ran to the end
+    r0, r1 = scenario(collective_runs, name)  # both ranks ran to the end
     assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
     assert r0["steps"] == r1["steps"] == [6]  # rank 1 counts the steps it skipped, as rank 0 does
     said = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank" and f["severity"] == "warning"]

@@ -156,6 +156,7 @@ class RankAgreement:
         self._key = ""  # this watcher's name in the store (see _announce)
         self._skip_guard: Any = None  # forward pre-hook: a step this rank's loop skipped (see skipped_step)
         self._synced = False  # DDP synchronizes the backward of the latest forward
+        self._outer_guard: Any = None  # the same hook on the DDP wrapper, when the model inside it is watched
         self._loop_skipped: list[int] = []  # at this check: the ranks whose loop skipped it (their probes)
 
     def attach(self, engine: Any) -> None:
@@ -214,15 +215,20 @@ class RankAgreement:
         if self._ddp_spotter is not None:
             self._ddp_spotter.remove()
             self._ddp_spotter = None
-        if self._skip_guard is not None:
-            self._skip_guard.remove()
-            self._skip_guard = None
+        for guard in (self._skip_guard, self._outer_guard):
+            if guard is not None:
+                guard.remove()
+        self._skip_guard = self._outer_guard = None
 
     # -- a step this rank's loop skipped (see gradwatch.observe.skipped_step) ------------------------
     def _before_forward(self, module: Any, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
+        if torch.compiler.is_compiling() or (self._outer_guard is not None and module is not self._ddp):
+            return  # (the DDP wrapper's own hook runs first: before its forward's buffer broadcast)
         try:
+            if self._outer_guard is None and self._ddp is not None and module is not self._ddp:
+                # The model inside DDP is watched: DDP's forward broadcasts buffers before this hook runs, so
+                # from now on the probe runs from a hook on the wrapper, ahead of every collective of its own.
+                self._outer_guard = owned(self._ddp, self._ddp.register_forward_pre_hook(self._before_forward))
             if self._may_owe_check():
                 self._probe()
             self._synced = ddp_synced(self._ddp_module())
