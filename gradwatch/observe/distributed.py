@@ -35,6 +35,7 @@ alone. DDP's all-reduce makes the gradients identical across ranks, so a decisio
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -238,9 +239,10 @@ class RankAgreement:
             internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
 
     def before_close(self) -> None:
-        """The loop ended right after a step it skipped on this rank: settle it, or the others wait for it."""
+        """The loop ended right after a step it skipped on this rank: settle it, or the others wait for it.
+        Not when it ended with an exception (``with`` exit): the others are not at a step then."""
         try:
-            if self._may_owe_check():
+            if sys.exc_info()[0] is None and self._may_owe_check():
                 self._probe()
         except Exception as exc:  # noqa: BLE001 - GradWatchError too: the loop is over, close() goes on
             internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
