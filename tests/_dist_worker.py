@@ -124,14 +124,15 @@ def ddp_unused(rank: int, wrapped: bool, alternating: bool = False) -> dict[str,
 
 def ddp_nan(
     rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True, scaler: bool = False,
-    guard: bool = False, fused: bool = False,
+    guard: bool = False, fused: bool = False, agreement: bool = False,
 ) -> dict[str, Any]:
     """DDP, a NaN in one sample of rank 1's batch at NAN_STEP; rank 0's data is finite. ``escalate=False``
     holds no inputs: then only the observed losses can say where the NaN came from. ``scaler``: a
     GradScaler (bf16 autocast) drops the NaN step on every rank. ``guard``: each rank skips
     ``opt.step()`` on its own non-finite loss (ranks step unevenly), watched with ``rank_agreement=False``.
     ``fused``: AdamW(fused=True) (nanoGPT's set-up), which unscales in its own step: step() runs on the step
-    the scaler drops."""
+    the scaler drops. ``agreement``: the guard watched with the agreement on, and rank 1's last batch holds a
+    NaN too (the loop ends right after a skipped step)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -145,11 +146,12 @@ def ddp_nan(
     console = plain_console()
     amp = torch.amp.GradScaler("cpu") if scaler else None
     options: dict[str, Any] = {"scaler": amp} if amp is not None else {}
-    if guard:
+    if guard and not agreement:
         options["rank_agreement"] = False
     with gradwatch.watch(model, opt, console=console, escalate=escalate, **options) as gw:
         for step in range(STEPS):
-            x = batch(step + rank * 50, rank, bad=rank == 1 and step == NAN_STEP)
+            bad = rank == 1 and (step == NAN_STEP or (agreement and step == STEPS - 1))
+            x = batch(step + rank * 50, rank, bad=bad)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler):
                 loss = model(x).float().pow(2).mean()
             if observe:
@@ -169,6 +171,7 @@ def ddp_nan(
         "console": console.file.getvalue(),
         "params": flat_params(model.module),
         "skipped": gw.engine.steps_skipped,
+        "steps": list(gw.engine.step_counts),
     }
 
 
@@ -542,6 +545,33 @@ def ddp_collective_nan(rank: int, how: str = "gather") -> dict[str, Any]:
             "skipped": gw.engine.steps_skipped, "console": console.file.getvalue()}
 
 
+def ddp_guarded_inner_bn(rank: int) -> dict[str, Any]:
+    """The per-rank guard of ``ddp_nan(guard=True, agreement=True)`` with the model inside the DDP wrapper watched,
+    a BatchNorm in it: DDP's forward broadcasts its buffers before the watched module's own hooks run."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    console = plain_console()
+    with gradwatch.watch(model.module, opt, console=console) as gw:
+        for step in range(STEPS):
+            bad = rank == 1 and step in (NAN_STEP, STEPS - 1)
+            loss = model(batch(step + rank * 50, rank, bad=bad)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if not torch.isfinite(loss):
+                continue  # this rank alone skips its step
+            opt.step()
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(model.module),
+        "skipped": gw.engine.steps_skipped,
+        "steps": list(gw.engine.step_counts),
+    }
+
+
 def ddp_powersgd_nan(rank: int) -> dict[str, Any]:
     """DDP with the PowerSGD communication hook (error feedback and warm start, torch's defaults) from the second
     step on; a NaN in one sample of rank 1's batch at NAN_STEP."""
@@ -693,6 +723,10 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_backward_collective_nan": lambda r: ddp_collective_nan(r, how="backward"),
     "ddp_powersgd_nan": ddp_powersgd_nan,
     "pipeline": pipeline,
+    # Before a rank's skipped step was settled, rank 0's agreement all_reduce paired with rank 1's next DDP
+    # all-reduce (gloo aborted rank 0).
+    "ddp_guarded_step_agreed": lambda r: ddp_nan(r, guard=True, agreement=True),
+    "ddp_guarded_inner_bn": ddp_guarded_inner_bn,
 }
 
 

@@ -438,6 +438,42 @@ def test_float16_parameters_with_an_eps_float16_holds_are_updated_silently() -> 
     assert all(torch.equal(a, b) for a, b in zip(bare.parameters(), model.parameters()))
 
 
+def _unused_rows_run(eps: float, watched: bool) -> tuple[nn.Module, list[gradwatch.Finding]]:
+    """float32 Adam over an embedding whose rows 10..19 no batch reads: their gradient is exactly 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
+    g = torch.Generator().manual_seed(0)
+    gw = gradwatch.watch(model, opt, console=False, max_skips=None) if watched else None
+    for _ in range(4):
+        loss = model(torch.randint(0, 10, (8, 4), generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if gw is None:
+        return model, []
+    gw.close()
+    return model, gw.findings
+
+
+def test_float32_adam_with_eps_zero_is_not_updated_with_nan_where_a_gradient_stayed_zero() -> None:
+    bare, _ = _unused_rows_run(0.0, watched=False)
+    assert not torch.isfinite(bare[0].weight[10:]).all()  # unwatched: 0 / 0 in the rows no batch read
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 1)).parameters()]
+    model, findings = _unused_rows_run(0.0, watched=True)
+    assert [(f.kind, f.step) for f in findings] == [("nonfinite_update", 0)]
+    assert "its eps is 0" in findings[0].message and "eps=1e-8" in findings[0].fix
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # every such step skipped
+
+
+def test_float32_adam_with_its_default_eps_and_rows_never_read_is_silent() -> None:
+    bare, _ = _unused_rows_run(1e-8, watched=False)
+    model, findings = _unused_rows_run(1e-8, watched=True)
+    assert findings == []
+    assert all(torch.equal(a, b) for a, b in zip(bare.parameters(), model.parameters()))
+
+
 def test_scaler_created_mid_run_is_found_by_a_later_check() -> None:
     """The plain loop's GradScaler is looked for on the first checks and then every SCAN_EVERY-th one
     (a stack walk per step costs ~20 us): one created at step 40 is found, and its overflow steps are

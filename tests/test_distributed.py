@@ -310,7 +310,8 @@ COLLECTIVE_TIMEOUT = TIMEOUT  # a hang fails here instead of blocking the suite;
 
 @pytest.fixture(scope="module")
 def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline"
+    names = "ddp_gather_nan,ddp_funcol_gather_nan,ddp_backward_collective_nan,ddp_powersgd_nan,pipeline,"
+    names += "ddp_guarded_step_agreed,ddp_guarded_inner_bn"
     return _group_runs(tmp_path_factory, "dist_collective", names, COLLECTIVE_TIMEOUT)
 
 
@@ -459,3 +460,18 @@ def test_ranks_training_different_models_decide_alone_and_never_pair_collectives
     assert (r0["skipped"], r1["skipped"]) == (0, 1)  # rank 0's healthy updates went through
     assert r0["metric"] == r1["metric"] == 3.0  # the user's all_reduce paired with its own counterpart
     assert ("nonfinite_loss", 3) in kinds(r1) and kinds(r0) == []
+
+
+# https://github.com/ecmwf/WeatherGenerator/pull/2718 (a NaN skip decided on each rank's own loss; here after
+# backward: `loss.backward(); if not torch.isfinite(loss): continue`)
+@pytest.mark.parametrize("name", ["ddp_guarded_step_agreed", "ddp_guarded_inner_bn"])
+def test_a_step_one_rank_skips_on_its_own_is_skipped_on_every_rank_without_a_crash(
+    collective_runs: list[dict[str, Any]], name: str
+) -> None:
+    r0, r1 = scenario(collective_runs, name)  # both ranks ran to the end
+    assert r0["params"] == r1["params"] and all(math.isfinite(v) for v in r0["params"])
+    assert r0["steps"] == r1["steps"] == [6]  # rank 1 counts the steps it skipped, as rank 0 does
+    said = [f for f in r0["findings"] if f["kind"] == "nonfinite_on_other_rank" and f["severity"] == "warning"]
+    assert [(f["step"], f["data"]["skipped_ranks"]) for f in said] == [(3, [1]), (5, [1])]  # 5: the last batch
+    assert "The training code of rank 1 skipped optimizer.step() at step 3 on its own" in r0["console"]
+    assert r0["skipped"] == 2  # rank 0 stepped on both, gradwatch skipped them

@@ -700,6 +700,29 @@ def test_loss_computed_under_no_grad_is_no_grad_graph_and_reraised_unchanged() -
     assert "no_grad" in f[0].message
 
 
+# https://github.com/speechbrain/speechbrain/issues/735 (`loss = Variable(loss, requires_grad=True)` against
+# "element 0 of tensors does not require grad"), https://github.com/Kostis-S-Z/exploring_meta/issues/16
+def test_a_loss_rebuilt_from_its_number_is_told_not_to_be_given_requires_grad_by_hand() -> None:
+    model = MLP(depth=3, width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError), watch(model, opt) as gw:
+        loss = torch.tensor(F.mse_loss(model(torch.randn(8, 8)), torch.zeros(8, 1)).item())
+        loss.backward()
+    (f,) = of(gw.findings, "no_grad_graph")
+    assert "torch.tensor(loss.item(), requires_grad=True)" in f.fix and "only silences this error" in f.fix
+    with watch(model, opt) as gw:  # the usual answer: the error is gone, and nothing trains
+        for _ in range(3):
+            loss = F.mse_loss(model(torch.randn(8, 8)), torch.zeros(8, 1))
+            loss = torch.tensor(loss.item(), requires_grad=True)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(f.kind, f.step) for f in problems(gw.findings)] == [("no_grads", 0)], show(gw.findings)
+    assert "nor rebuilt from a number" in gw.findings[0].fix
+    assert unchanged(before, model)
+
+
 # https://github.com/xxlong0/SparseNeuS/issues/42
 def test_unreduced_loss_is_nonscalar_backward_with_the_fix() -> None:
     model = MLP(depth=3, width=16)

@@ -29,8 +29,10 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
                 f"{len(stats.none_grad)} trainable parameters has a gradient, so nothing is updated.",
                 why="training makes no progress at all.",
                 fix="call loss.backward() before optimizer.step(), make sure the loss depends on the "
-                "model's parameters (not computed under torch.no_grad() or from detached outputs), and call "
-                "optimizer.zero_grad() before backward, not between backward and step.",
+                "model's parameters (not computed under torch.no_grad() or from detached outputs, nor rebuilt "
+                "from a number: `torch.tensor(loss.item(), requires_grad=True)` is a new tensor that backward() "
+                "cannot trace to the model), and call optimizer.zero_grad() before backward, not between backward "
+                "and step.",
             ),
             params=stats.none_grad,
             data={"optimizer": stats.optimizer_index, "count": len(stats.none_grad)},

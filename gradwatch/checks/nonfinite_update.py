@@ -1,4 +1,4 @@
-"""``nonfinite_update``: finite gradients, but the optimizer's update would be NaN/Inf (float16 state).
+"""``nonfinite_update``: finite gradients, but the optimizer's update would be NaN/Inf (an eps that is 0 there).
 
 Reads ``stats.extra["update_nonfinite"]`` from :class:`gradwatch.observe.half_update.HalfUpdateGuard`. Reported
 once per optimizer; every such step is skipped under ``on_nonfinite="skip"`` (the engine's policy).
@@ -23,6 +23,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         return []
     eps = stats.extra.get("update_nonfinite_eps") or []
     eps_text = ", ".join(f"{e:g}" for e in eps) or "its eps"
+    words = _ZERO_EPS if eps and not any(eps) else _HALF  # eps=0: any precision; else float16's rounding
     action = {
         "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged (and will skip "
         "every such step; the run stops after max_skips of them).",
@@ -36,18 +37,31 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             severity="error",
             explanation=Explanation(
                 what=f"optimizer {i}'s update at step {stats.step} would be NaN/Inf although the loss and every "
-                f"gradient are finite: its parameters are float16 and eps={eps_text} rounds to 0 in float16, so "
-                "wherever the second moment (Adam's exp_avg_sq, RMSprop's square_avg) is 0 (a zero gradient "
-                "element, or one whose square underflows float16) the step divides by 0. " + action,
+                f"gradient are finite: " + words[0].format(eps=eps_text) + action,
                 why="one such update turns weights into NaN/Inf for good; every later step is then "
                 "non-finite.",
-                fix="keep float32 parameters and use mixed precision (torch.autocast, or Lightning's "
-                "precision='16-mixed'/'bf16-mixed') instead of model.half() / precision='16-true'; or use "
-                "bfloat16; or give the optimizer an eps that float16 holds (eps=1e-4).",
+                fix=words[1],
             ),
             data={"optimizer": i, "eps": eps},
         )
     ]
+
+
+#: (what, fix) for float16 parameters whose eps rounds to 0, and for an eps of 0 in any precision.
+_HALF = (
+    "its parameters are float16 and eps={eps} rounds to 0 in float16, so wherever the second moment (Adam's "
+    "exp_avg_sq, RMSprop's square_avg) is 0 (a zero gradient element, or one whose square underflows float16) "
+    "the step divides by 0. ",
+    "keep float32 parameters and use mixed precision (torch.autocast, or Lightning's precision='16-mixed'/"
+    "'bf16-mixed') instead of model.half() / precision='16-true'; or use bfloat16; or give the optimizer an eps "
+    "that float16 holds (eps=1e-4).",
+)
+_ZERO_EPS = (
+    "its eps is {eps}, so wherever the second moment (Adam's exp_avg_sq, RMSprop's square_avg) is "
+    "0 (a parameter element whose gradient has been exactly 0 so far: an embedding row no batch used, a masked "
+    "or dead unit) the step computes 0 / 0. ",
+    "give the optimizer a positive eps (Adam's default eps=1e-8); eps exists to keep that division finite.",
+)
 
 
 def remember(stats: StepStats, history: History) -> None:

@@ -442,6 +442,7 @@ class Engine:
         """Flush pending statistics, remove hooks, print the summary, close writers. Idempotent."""
         if self._closed:
             return
+        self.bus.call("before_close")
         if self._pending is not None:
             try:
                 ctx, norm_slots, loss_slot = self._pending

@@ -27,6 +27,7 @@ class Extension(Protocol):
       (a kind) takes the place of the step's finding of that kind: its cause restated in the light of the
       origin found (``nonfinite_loss`` deferring to ``nan_origin``).
     - ``after_step(stats, decision)``: the decision is taken.
+    - ``before_close()``: the watcher is closing, the engine still checks (a step owed to the other ranks).
     - ``close()``: detach everything.
     """
 

@@ -35,13 +35,14 @@ alone. DDP's all-reduce makes the gradients identical across ranks, so a decisio
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
 import torch
 
 from gradwatch.core.failures import internal_warning, safe_warn
-from gradwatch.core.findings import Finding
+from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
 from gradwatch.observe.module_hooks import owned
 from gradwatch.observe.rank_findings import (
@@ -52,6 +53,16 @@ from gradwatch.observe.rank_findings import (
     other_rank_input_finding,
     own_origin,
     relayed_finding,
+    skipped_step_finding,
+)
+from gradwatch.observe.skipped_step import (
+    backward_left_unstepped,
+    ddp_synced,
+    mark_probe,
+    probing_ranks,
+    ranks_that_saw_values,
+    under_fp16_autocast,
+    without_probes,
 )
 
 NONFINITE_KINDS = ("nonfinite_grad", "nonfinite_loss", "nonfinite_on_other_rank")
@@ -144,6 +155,10 @@ class RankAgreement:
         self._fingerprints = 0  # checks that carried a fingerprint (FINGERPRINTS at most)
         self._fsdp1: dict[int, float | None] = {}  # id(param) -> replication factor, for FSDP1's parameters
         self._key = ""  # this watcher's name in the store (see _announce)
+        self._skip_guard: Any = None  # forward pre-hook: a step this rank's loop skipped (see skipped_step)
+        self._synced = False  # DDP synchronizes the backward of the latest forward
+        self._outer_guard: Any = None  # the same hook on the DDP wrapper, when the model inside it is watched
+        self._loop_skipped: list[int] = []  # at this check: the ranks whose loop skipped it (their probes)
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -185,6 +200,8 @@ class RankAgreement:
         found = self._ddp_cls is not None and any(isinstance(j, self._ddp_cls) for j in self._joinables)
         if self._ddp_cls is not None and not found and isinstance(model, torch.nn.Module):
             self._ddp_spotter = owned(model, model.register_forward_pre_hook(self._spot_ddp))
+        if self._ddp_cls is not None and self.world > 1 and isinstance(model, torch.nn.Module):
+            self._skip_guard = owned(model, model.register_forward_pre_hook(self._before_forward))
 
     def _spot_ddp(self, module: Any, args: Any) -> None:
         # DDP's forward names itself in a class attribute while it runs the wrapped module. O(1), and kept
@@ -199,6 +216,84 @@ class RankAgreement:
         if self._ddp_spotter is not None:
             self._ddp_spotter.remove()
             self._ddp_spotter = None
+        for guard in (self._skip_guard, self._outer_guard):
+            if guard is not None:
+                guard.remove()
+        self._skip_guard = self._outer_guard = None
+
+    # -- a step this rank's loop skipped (see gradwatch.observe.skipped_step) ------------------------
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling() or (self._outer_guard is not None and module is not self._ddp):
+            return  # (the DDP wrapper's own hook runs first: before its forward's buffer broadcast)
+        try:
+            if self._outer_guard is None and self._ddp is not None and module is not self._ddp:
+                # The model inside DDP is watched: DDP's forward broadcasts buffers before this hook runs, so
+                # from now on the probe runs from a hook on the wrapper, ahead of every collective of its own.
+                self._outer_guard = owned(self._ddp, self._ddp.register_forward_pre_hook(self._before_forward))
+            if self._may_owe_check():
+                self._probe()
+            self._synced = ddp_synced(self._ddp_module())
+        except GradWatchError:
+            raise  # on_nonfinite="raise": every rank stops, this one too
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
+
+    def before_close(self) -> None:
+        """The loop ended right after a step it skipped on this rank: settle it, or the others wait for it.
+        Not when it ended with an exception (``with`` exit): the others are not at a step then."""
+        try:
+            if sys.exc_info()[0] is None and self._may_owe_check():
+                self._probe()
+        except Exception as exc:  # noqa: BLE001 - GradWatchError too: the loop is over, close() goes on
+            internal_warning("RankAgreement (skipped step)", exc, owner=self._engine, key="RankAgreement.skipped")
+
+    def _may_owe_check(self) -> bool:
+        """A synchronized backward ran since this rank's last optimizer step, and the loop goes on without a
+        step: it accumulates (as every rank does), or it skipped the step here while the others wait in its
+        check. Only the probe tells them apart."""
+        engine = self._engine
+        if not self._synced or engine is None or not backward_left_unstepped(engine):
+            return False
+        dist = _dist()
+        if dist is None or self._any_sharded or under_fp16_autocast():
+            return False
+        return self._peers_watch(dist) and not self._in_join()
+
+    def _probe(self) -> None:
+        """The probe's all_reduce (one read); when other ranks were checking a step, the rest of that check."""
+        dist, w = _dist(), self.world
+        params = self._engine.index.per_optimizer[0].params
+        device = self._device(None, [params[0]] if params else [])
+        fingerprint = self._maybe_fingerprint(None, device)
+        vec = torch.zeros(2 * w + (2 if fingerprint is not None else 0), dtype=torch.float32, device=device)
+        if fingerprint is not None:
+            vec[-2:] = torch.stack([fingerprint, fingerprint * fingerprint])
+        mark_probe(vec, self.rank, w)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        values = vec.tolist()
+        if len(probing_ranks(values, w)) == w:
+            return  # every rank probed: no step is waiting for this one
+        try:
+            self._settle(values, fingerprint is not None)
+        finally:
+            self._engine.step_done(0)  # counted as the other ranks count it
+
+    def _settle(self, values: list[float], fingerprinted: bool) -> None:
+        """The rest of the check the other ranks run on the step this rank's loop skipped: their collectives
+        (what each rank saw, where the NaN was born), with nothing of this rank's own to add. Its flag makes
+        every rank skip that update; no check of its own runs (no update of its own took these gradients)."""
+        if fingerprinted:
+            self._fingerprints += 1
+            self._replicas = self._same_everywhere(values[-2], values[-1])
+        engine = self._engine
+        losses = list(engine.ledger.losses)  # observed since the last step: the skipped batch's (one read)
+        bad_loss = bool(losses) and not all(bool(torch.isfinite(loss).all()) for loss in losses)
+        engine.drop_losses()  # no update will take them: not held against the next step either
+        mine = {"rank": self.rank, "nonfinite": [], "nonfinite_count": 0, "loss_nonfinite": bad_loss,
+                "loss_observed": bool(losses), "inputs": []}
+        self._gather(mine)  # the others' _exchange: every flagged check runs it (this rank is flagged)
+        if not self._solo:
+            self._gather(None)  # the others' _origins_of_others, on their incident
 
     def _in_join(self) -> bool:
         """A ``Join`` context (uneven inputs) covers the watched module or optimizer, now or earlier in the
@@ -336,6 +431,7 @@ class RankAgreement:
     # -- before the sync: queue the flags and shard norms, run the collective ----------------------
     def before_sync(self, ctx: Any) -> None:
         self._slot = -1
+        self._loop_skipped = []
         dist = _dist()
         if dist is None or self.world < 2:
             return
@@ -502,6 +598,9 @@ class RankAgreement:
             self._fingerprints += 1
             self._replicas = self._same_everywhere(values[-2], values[-1])
             values = values[:-2]
+        self._loop_skipped = probing_ranks(values, self.world)
+        if self._loop_skipped:
+            values = without_probes(values, self.world)
         ranks, dropped = flagged_ranks(values, self.world)
         amp_slot = ctx.slots.get("amp_scaler_skips", -1)
         if dropped and amp_slot >= 0 and float(sum(ctx.batch.resolve()[amp_slot])) > 0:
@@ -535,9 +634,13 @@ class RankAgreement:
         }
         if dist is None:
             return [mine]
+        return [r for r in self._gather(mine) if isinstance(r, dict)]
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` (one all_gather_object; every rank of the agreement runs it at the same point)."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, mine, group=self.group)
-        return [r for r in out if isinstance(r, dict)]
+        _dist().all_gather_object(out, mine, group=self.group)
+        return out
 
     def _bad_inputs(self, stats: StepStats) -> list[list[Any]]:
         """This rank's step inputs that hold NaN/Inf, ``[[name, nan, inf], ...]`` (incident path: one read).
@@ -575,9 +678,8 @@ class RankAgreement:
             return []
         mine, loss_only = own_origin(findings)
         summary = origin_summary(self.rank, mine, loss_only)
-        out: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(out, summary, group=self.group)
+            out = self._gather(summary)
         except Exception as exc:  # noqa: BLE001
             internal_warning("RankAgreement (origins)", exc, owner=self._engine, key="RankAgreement.origins")
             return []
@@ -588,6 +690,14 @@ class RankAgreement:
 
     def _incident(self, stats: StepStats, findings: list[Finding], ranks: list[int]) -> list[Finding]:
         reports = stats.extra.get("rank_reports") or []
+        skipped = [r for r in self._loop_skipped if r != self.rank]
+        said = [skipped_step_finding(stats, skipped)] if skipped else []
+        seen = ranks_that_saw_values(ranks, skipped, reports)
+        return (self._rank_incident(stats, findings, seen, reports) if seen else []) + said
+
+    def _rank_incident(
+        self, stats: StepStats, findings: list[Finding], ranks: list[int], reports: list[dict[str, Any]]
+    ) -> list[Finding]:
         input_ranks = sorted(r.get("rank", 0) for r in reports if r.get("inputs"))
         for f in findings:
             if f.kind in NONFINITE_KINDS:

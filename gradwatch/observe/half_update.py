@@ -6,7 +6,10 @@ below float16's smallest subnormal (6e-8): it rounds to 0. Wherever the new seco
 element that is exactly 0, or whose square underflows: ``|g| < ~8e-3`` in Adam's first step) the update is
 ``0 / 0`` or ``m / 0``: NaN or Inf weights, from finite gradients and a finite loss.
 
-Only for that configuration (float16 parameters in a param group whose ``eps`` rounds to 0 in float16, with
+The same holds in any precision for ``eps=0`` (float32 included): a parameter element whose gradient has
+been exactly 0 so far (an embedding row no batch used, a masked weight) gets ``0 / 0``.
+
+Only for that configuration (parameters in a param group whose ``eps`` rounds to 0 in their dtype, with
 a second-moment state: Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad), each checked step queues one device
 flag into the step's sync: "some element's next second moment is 0". When it is set, the update is
 treated as non-finite (``stats.extra["update_nonfinite"]``): skipped under ``on_nonfinite="skip"``,
@@ -33,10 +36,14 @@ _SLOT = "half_update/zero_denominator"
 _KNOWN = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "RMSprop"})
 
 
-def _eps_underflows(group: dict[str, Any]) -> bool:
+def _eps_underflows(group: dict[str, Any], dtype: torch.dtype = torch.float16) -> bool:
+    """Whether the group's ``eps`` is 0 once rounded to ``dtype`` (float16: Adam's default 1e-8; any dtype: 0)."""
     eps = group.get("eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         return False
+    if dtype is not torch.float16:
+        info = torch.finfo(dtype)
+        return abs(float(eps)) <= info.tiny * info.eps / 2  # at most half the smallest subnormal: rounds to 0
     try:
         return struct.unpack("e", struct.pack("e", float(eps)))[0] == 0.0  # no tensor: no device read
     except OverflowError:
@@ -52,6 +59,35 @@ def _decay(group: dict[str, Any], key: str | None, index: int | None) -> float |
             return None
         value = value[index]
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def _zero_eps(group: dict[str, Any], dtype: torch.dtype) -> bool:
+    """The group divides by ``sqrt(v) + eps`` with an ``eps`` that is 0 where it computes (fused kernels compute
+    in float32)."""
+    if not dtype.is_floating_point:
+        return False
+    return _eps_underflows(group, torch.float32 if group.get("fused") else dtype)
+
+
+def _zero_second_moment(
+    p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: dict[str, Any], known: bool
+) -> torch.Tensor | None:
+    """A device flag: some element of ``p``'s next second moment is 0 (None: no such state, or one kept wider,
+    where eps holds). Computed with the optimizer's own ops on a copy, so the rounding is the one it will do."""
+    for key, decay_key, index in _SECOND_MOMENT:
+        decay = _decay(group, decay_key, index)
+        fresh = decay_key is not None and decay_key in group and known
+        if decay is None or not (key in state or fresh):
+            continue  # (before its first step the state is empty: known optimizers only)
+        v = state.get(key)
+        if isinstance(v, torch.Tensor) and v.dtype is not p.dtype and not _eps_underflows(group, v.dtype):
+            return None  # its state is kept wider (float32): eps holds there
+        nxt = v.clone() if isinstance(v, torch.Tensor) and v.shape == g.shape else torch.zeros_like(p)
+        if decay != 1.0:
+            nxt.mul_(decay)
+        nxt.addcmul_(g, g, value=1.0 - decay if decay != 1.0 else 1.0)
+        return (nxt == 0).any()
+    return None
 
 
 class HalfUpdateGuard:
@@ -73,9 +109,8 @@ class HalfUpdateGuard:
         opt = op.optimizer
         if opt is not None:
             for group in getattr(opt, "param_groups", ()):
-                if not _eps_underflows(group) or group.get("fused"):
-                    continue  # (fused kernels compute in float32, where eps holds)
-                plan += [(p, group) for p in group["params"] if p.dtype is torch.float16 and p.requires_grad]
+                zero = {dtype: _zero_eps(group, dtype) for dtype in {p.dtype for p in group["params"]}}
+                plan += [(p, group) for p in group["params"] if p.requires_grad and zero[p.dtype]]
         self._plans[i] = (op.params, plan)
         return plan
 
@@ -85,28 +120,16 @@ class HalfUpdateGuard:
         if not plan:
             return
         opt = self.engine.index.per_optimizer[i].optimizer
+        known = type(opt).__name__ in _KNOWN
         flags = []
         with torch.no_grad():
             for p, group in plan:
                 g = p.grad
                 if g is None or g.is_sparse:
                     continue
-                state = opt.state.get(p, {})
-                for key, decay_key, index in _SECOND_MOMENT:
-                    decay = _decay(group, decay_key, index)
-                    fresh = decay_key is not None and decay_key in group and type(opt).__name__ in _KNOWN
-                    if decay is None or not (key in state or fresh):
-                        continue  # (before its first step the state is empty: known optimizers only)
-                    # The optimizer's own float16 ops on a copy, so the rounding is the one it will do.
-                    v = state.get(key)
-                    if isinstance(v, torch.Tensor) and v.dtype is not torch.float16:
-                        break  # its state is kept wider (float32): eps holds there
-                    nxt = v.clone() if isinstance(v, torch.Tensor) and v.shape == g.shape else torch.zeros_like(p)
-                    if decay != 1.0:
-                        nxt.mul_(decay)
-                    nxt.addcmul_(g, g, value=1.0 - decay if decay != 1.0 else 1.0)
-                    flags.append((nxt == 0).any())
-                    break
+                flag = _zero_second_moment(p, g, group, opt.state.get(p, {}), known)
+                if flag is not None:
+                    flags.append(flag)
         if flags:
             ctx.slots[_SLOT] = ctx.batch.add(torch.stack(flags))
 

@@ -187,6 +187,30 @@ def other_rank_dropped_finding(stats: StepStats, ranks: list[int]) -> Finding:
     )
 
 
+def skipped_step_finding(stats: StepStats, ranks: list[int]) -> Finding:
+    """The training code of ``ranks`` skipped ``optimizer.step()`` after a synchronized backward while this rank
+    stepped (see :mod:`gradwatch.observe.skipped_step`); every rank skipped the update."""
+    which = _ranks_text(ranks)
+    return Finding(
+        kind="nonfinite_on_other_rank",
+        step=stats.step,
+        severity="warning",
+        explanation=Explanation(
+            what=f"The training code of {which} skipped optimizer.step() at step {stats.step} on its own (a check "
+            "of that rank's own loss or gradients after backward(), such as `if not torch.isfinite(loss): "
+            "continue`), while this rank stepped. gradwatch settled that step with that rank before its next "
+            "forward and skipped the update on every rank, so the replicas stay identical.",
+            why="a step skipped on some ranks only leaves the ranks out of step: the next gradient all-reduce "
+            "pairs with a collective of another iteration (gloo aborts, NCCL hangs), and the ranks that step "
+            "apply an update the others do not.",
+            fix="drop the per-rank guard: gradwatch already skips a NaN/Inf update on every rank at once "
+            "(on_nonfinite='skip'); or decide on every rank alike, e.g. `bad = torch.tensor(float(not "
+            "torch.isfinite(loss))); dist.all_reduce(bad)` and skip when bad > 0.",
+        ),
+        data={"skipped_ranks": list(ranks), "ranks": list(ranks), "optimizer": stats.optimizer_index},
+    )
+
+
 def other_rank_input_finding(
     stats: StepStats, input_ranks: list[int], reports: list[dict[str, Any]], policy: str
 ) -> Finding:

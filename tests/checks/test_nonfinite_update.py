@@ -32,3 +32,9 @@ def test_a_finite_update_is_not_flagged() -> None:
 def test_a_step_whose_gradients_are_already_non_finite_is_left_to_nonfinite_grad() -> None:
     stats = StepStats(step=0, names=["w"], nonfinite=("w",), extra={"update_nonfinite": True})
     assert run(nonfinite_update, [stats]) == []
+
+
+def test_an_eps_of_zero_is_named_as_such_with_its_fix_not_float16s_rounding() -> None:
+    (f,) = run(nonfinite_update, [_step(0, update_nonfinite=True, update_nonfinite_eps=[0.0])])
+    assert "its eps is 0" in f.explanation.what and "float16" not in f.explanation.what
+    assert "positive eps" in f.fix

@@ -184,7 +184,16 @@ def no_graph_words(f: NoGraphFacts, cause: str) -> Explanation:
         ),
         cause=NO_GRAPH_CAUSES[cause](f),
         why="no gradient can reach the parameters; nothing would be learned.",
+        fix=NO_GRAPH_NOT_A_FIX,
     )
+
+
+#: What every no_grad_graph finding says: the usual answer to this error turns it into a run that never trains.
+NO_GRAPH_NOT_A_FIX = (
+    "give the loss its graph back as the cause says. Do not make the loss require gradients by hand "
+    "(`loss.requires_grad_()`, `torch.tensor(loss.item(), requires_grad=True)`, `Variable(loss, "
+    "requires_grad=True)`): that only silences this error; backward() then reaches no parameter and nothing trains."
+)
 
 
 def explain_no_graph(ctx: Context) -> Finding:
