@@ -19,6 +19,16 @@ MAX_CALLS = 64
 #: Of those, the most recent calls whose output gradients are held for a faithful replay; older calls
 #: keep only whether their output gradient was finite.
 MAX_GRADS = 4
+#: The input bytes of one step's calls (Lightning: batches) kept alive at most, beyond the MAX_GRADS most recent:
+#: a long accumulation of large micro-batches (images, on a GPU) would otherwise hold up to MAX_CALLS of them
+#: past their iteration. The oldest go first, as past MAX_CALLS.
+MAX_INPUT_BYTES = 64 * 2**20
+
+
+def input_bytes(*sources: Any) -> int:
+    """The bytes of the tensors in ``sources`` (a view counts as its size: an estimate, never an undercount of
+    what a call adds)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(sources) if isinstance(t, torch.Tensor))
 
 class Call:
     """One forward call of the watched model: references to its inputs, its output gradients, its losses.
@@ -37,6 +47,7 @@ class Call:
         "held",
         "kwargs",
         "losses",
+        "nbytes",
         "node_index",
         "nodes",
         "output_ok",
@@ -48,6 +59,7 @@ class Call:
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
         self.args = args
         self.kwargs = kwargs
+        self.nbytes = input_bytes(args, kwargs)
         self.autocast = autocast
         # The replay draws the same dropout masks and random ops (not inside a torch.compile trace: reading
         # the generator there is a graph break; a compiled model's replay then draws fresh numbers).
@@ -153,6 +165,7 @@ class Batch:
 
     def __init__(self, batch: Any, batch_idx: int, trainer: Any, pl_module: Any) -> None:
         self.batch = batch
+        self.nbytes = input_bytes(batch)
         self.batch_idx = batch_idx
         self.trainer = trainer
         self.pl_module = pl_module

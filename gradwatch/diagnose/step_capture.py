@@ -15,7 +15,16 @@ from torch import nn
 
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.params import fabric_redirect
-from gradwatch.diagnose.capture import MAX_CALLS, MAX_GRADS, Batch, Call, autocast_state, output_leaves, step_inputs
+from gradwatch.diagnose.capture import (
+    MAX_CALLS,
+    MAX_GRADS,
+    MAX_INPUT_BYTES,
+    Batch,
+    Call,
+    autocast_state,
+    output_leaves,
+    step_inputs,
+)
 from gradwatch.observe.module_hooks import owned
 
 if TYPE_CHECKING:
@@ -92,7 +101,7 @@ class StepCapture:
         self.forwards += 1
         if len(calls) > MAX_GRADS:
             calls[-MAX_GRADS - 1].fold()
-        if len(calls) > MAX_CALLS:
+        for _ in range(within_budget(calls)):
             calls.pop(0).release()
 
     def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -159,8 +168,7 @@ class StepCapture:
             self.mark = mark
             self.batches = []
         self.batches.append(Batch(batch, batch_idx, trainer, pl_module))
-        if len(self.batches) > MAX_CALLS:
-            del self.batches[0]
+        del self.batches[: within_budget(self.batches)]
 
     def sources(self) -> list[Any]:
         """What a replay can run: the Lightning batches, or the plain loop's forward calls."""
@@ -186,3 +194,14 @@ class StepCapture:
         self.new_step()
         self.batches = []
         self._redirect = None
+
+
+def within_budget(kept: list[Any]) -> int:
+    """How many of the oldest of ``kept`` (calls or batches, oldest first, each with ``nbytes``) to let go: past
+    MAX_CALLS, and past MAX_INPUT_BYTES of inputs beyond the MAX_GRADS most recent."""
+    drop = max(0, len(kept) - MAX_CALLS)
+    total = sum(k.nbytes for k in kept[drop:])
+    while len(kept) - drop > MAX_GRADS and total > MAX_INPUT_BYTES:
+        total -= kept[drop].nbytes
+        drop += 1
+    return drop
