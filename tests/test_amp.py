@@ -464,6 +464,7 @@ def test_float32_adam_with_eps_zero_is_not_updated_with_nan_where_a_gradient_sta
     model, findings = _unused_rows_run(0.0, watched=True)
     assert [(f.kind, f.step) for f in findings] == [("nonfinite_update", 0)]
     assert "its eps is 0" in findings[0].message and "eps=1e-8" in findings[0].fix
+    assert "0.weight" in findings[0].params  # the embedding, whose unread rows keep a zero second moment
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # every such step skipped
 
 

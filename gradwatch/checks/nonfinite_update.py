@@ -7,7 +7,7 @@ once per optimizer; every such step is skipped under ``on_nonfinite="skip"`` (th
 from __future__ import annotations
 
 from gradwatch.core.config import Config
-from gradwatch.core.findings import Explanation, Finding
+from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
 from gradwatch.core.stats import StepStats
 
@@ -22,6 +22,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if history.reported.get(f"nonfinite_update/{i}"):
         return []
     eps = stats.extra.get("update_nonfinite_eps") or []
+    params = tuple(stats.extra.get("update_nonfinite_params") or ())
+    where = f" ({names_text(list(params))})" if params else ""
     eps_text = ", ".join(f"{e:g}" for e in eps) or "its eps"
     words = _ZERO_EPS if eps and not any(eps) else _HALF  # eps=0: any precision; else float16's rounding
     action = {
@@ -36,12 +38,13 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             step=stats.step,
             severity="error",
             explanation=Explanation(
-                what=f"optimizer {i}'s update at step {stats.step} would be NaN/Inf although the loss and every "
+                what=f"optimizer {i}'s update at step {stats.step} would be NaN/Inf{where} although the loss and every "
                 f"gradient are finite: " + words[0].format(eps=eps_text) + action,
                 why="one such update turns weights into NaN/Inf for good; every later step is then "
                 "non-finite.",
                 fix=words[1],
             ),
+            params=params,
             data={"optimizer": i, "eps": eps},
         )
     ]

@@ -139,6 +139,7 @@ StepExtra = TypedDict(
         "update_ratio_total/weights": float,  # the whole model's weight norm behind ``update_ratio_total``
         "update_nonfinite": bool,  # a float16 update rounds to NaN/Inf (the optimizer's eps underflows)
         "update_nonfinite_eps": float,  # that eps
+        "update_nonfinite_params": "list[str]",  # the parameters whose update would be NaN/Inf (half_update)
         "scalars": "dict[str, float]",  # more TensorBoard scalars of this step, by tag
         "ddp": bool,  # the model is wrapped in DistributedDataParallel
         "unused_expected": bool,  # DDP's find_unused_parameters: parameters without gradient are expected

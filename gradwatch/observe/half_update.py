@@ -96,6 +96,7 @@ class HalfUpdateGuard:
     def __init__(self) -> None:
         self.engine: Any = None
         self._plans: dict[int, tuple[Any, list[tuple[torch.Tensor, dict[str, Any]]]]] = {}
+        self._flagged: list[str] = []  # the parameters whose flag the latest before_sync queued, in order
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -122,6 +123,9 @@ class HalfUpdateGuard:
         opt = self.engine.index.per_optimizer[i].optimizer
         known = type(opt).__name__ in _KNOWN
         flags = []
+        names = self.engine.index.per_optimizer[i].names
+        name_of = dict(zip(map(id, self.engine.index.per_optimizer[i].params), names))
+        self._flagged = []
         with torch.no_grad():
             for p, group in plan:
                 g = p.grad
@@ -130,6 +134,7 @@ class HalfUpdateGuard:
                 flag = _zero_second_moment(p, g, group, opt.state.get(p, {}), known)
                 if flag is not None:
                     flags.append(flag)
+                    self._flagged.append(name_of.get(id(p), "?"))
         if flags:
             ctx.slots[_SLOT] = ctx.batch.add(torch.stack(flags))
 
@@ -140,6 +145,7 @@ class HalfUpdateGuard:
         values = ctx.batch.resolve()[slot]
         if any(values):
             ctx.stats.extra["update_nonfinite"] = True
+            ctx.stats.extra["update_nonfinite_params"] = [n for n, v in zip(self._flagged, values) if v]
             eps = sorted({float(g.get("eps", 0.0)) for _p, g in self._plan(ctx.stats.optimizer_index)})
             ctx.stats.extra["update_nonfinite_eps"] = eps
 
