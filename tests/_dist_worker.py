@@ -122,6 +122,17 @@ def ddp_unused(rank: int, wrapped: bool, alternating: bool = False) -> dict[str,
     return {"findings": [f.to_dict() for f in gw.findings]}
 
 
+def _stepped(gw: Any, console: Any, module: nn.Module) -> dict[str, Any]:
+    """What a loop whose ranks may step unevenly reports: findings, console, parameters, skips, step counts."""
+    return {
+        "findings": [f.to_dict() for f in gw.findings],
+        "console": console.file.getvalue(),
+        "params": flat_params(module),
+        "skipped": gw.engine.steps_skipped,
+        "steps": list(gw.engine.step_counts),
+    }
+
+
 def ddp_nan(
     rank: int, *, adam: bool = False, escalate: bool = True, observe: bool = True, scaler: bool = False,
     guard: bool = False, fused: bool = False, agreement: bool = False,
@@ -166,13 +177,7 @@ def ddp_nan(
             if guard and not torch.isfinite(loss):
                 continue  # this rank alone skips its step
             opt.step()
-    return {
-        "findings": [f.to_dict() for f in gw.findings],
-        "console": console.file.getvalue(),
-        "params": flat_params(model.module),
-        "skipped": gw.engine.steps_skipped,
-        "steps": list(gw.engine.step_counts),
-    }
+    return _stepped(gw, console, model.module)
 
 
 def rank0_only(rank: int) -> dict[str, Any]:
@@ -563,13 +568,7 @@ def ddp_guarded_inner_bn(rank: int) -> dict[str, Any]:
             if not torch.isfinite(loss):
                 continue  # this rank alone skips its step
             opt.step()
-    return {
-        "findings": [f.to_dict() for f in gw.findings],
-        "console": console.file.getvalue(),
-        "params": flat_params(model.module),
-        "skipped": gw.engine.steps_skipped,
-        "steps": list(gw.engine.step_counts),
-    }
+    return _stepped(gw, console, model.module)
 
 
 def ddp_powersgd_nan(rank: int) -> dict[str, Any]:

@@ -396,15 +396,13 @@ def test_lightning_bf16_mixed_nan_is_skipped_as_usual() -> None:
 
 
 # https://discuss.pytorch.org/t/adam-half-precision-nans/1765 (model.half() with Adam: eps=1e-8 is 0 in fp16)
-def _half_run(make_opt: Any, watched: bool, steps: int = 4) -> tuple[nn.Module, list[gradwatch.Finding]]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
-    opt = make_opt(model.parameters())
+def _train(model: nn.Module, opt: Any, loss_of: Any, steps: int, watched: bool,
+           **config: Any) -> tuple[nn.Module, list[gradwatch.Finding]]:
+    """``steps`` plain updates of ``loss_of(generator)``, watched or not: the model and gradwatch's findings."""
     g = torch.Generator().manual_seed(0)
-    gw = gradwatch.watch(model, opt, console=False) if watched else None
+    gw = gradwatch.watch(model, opt, console=False, **config) if watched else None
     for _ in range(steps):
-        x = torch.randn(16, 8, generator=g).half()
-        loss = (model(x).float() - 1).pow(2).mean()
+        loss = loss_of(g)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -412,6 +410,13 @@ def _half_run(make_opt: Any, watched: bool, steps: int = 4) -> tuple[nn.Module, 
         return model, []
     gw.close()
     return model, gw.findings
+
+
+def _half_run(make_opt: Any, watched: bool, steps: int = 4) -> tuple[nn.Module, list[gradwatch.Finding]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    return _train(model, make_opt(model.parameters()),
+                  lambda g: (model(torch.randn(16, 8, generator=g).half()).float() - 1).pow(2).mean(), steps, watched)
 
 
 @pytest.mark.parametrize(
@@ -443,17 +448,8 @@ def _unused_rows_run(eps: float, watched: bool) -> tuple[nn.Module, list[gradwat
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
-    g = torch.Generator().manual_seed(0)
-    gw = gradwatch.watch(model, opt, console=False, max_skips=None) if watched else None
-    for _ in range(4):
-        loss = model(torch.randint(0, 10, (8, 4), generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    if gw is None:
-        return model, []
-    gw.close()
-    return model, gw.findings
+    return _train(model, opt, lambda g: model(torch.randint(0, 10, (8, 4), generator=g)).pow(2).mean(), 4, watched,
+                  max_skips=None)
 
 
 def test_float32_adam_with_eps_zero_is_not_updated_with_nan_where_a_gradient_stayed_zero() -> None:
