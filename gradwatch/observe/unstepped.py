@@ -110,12 +110,11 @@ class UnsteppedOptimizers:
         tracker = engine.extension(ZeroGradTracker)
         if engine.interrupted or tracker is None or any(engine.kind_counts[k] for k in _EXPLAINED_BY):
             return
-        if engine.kind_counts["no_optimizer_step"]:
-            return  # said while the run went on
         from gradwatch.checks.no_optimizer_step import never_stepped
 
+        told = {f.data.get("optimizer") for f in engine.findings if f.kind == "no_optimizer_step"}  # while it ran
         passes = {t.index: t.accumulations for t in tracker.trackers if t.index < len(engine.run_step_counts)}
-        for i, n in unstepped(engine.run_step_counts, passes):
+        for i, n in unstepped(engine.run_step_counts, {i: n for i, n in passes.items() if i not in told}):
             op = engine.index.per_optimizer[i]
             for f in never_stepped(engine.step_counts[i], i, n, tuple(op.names), self._integration()):
                 engine.add_finding(f)

@@ -214,3 +214,18 @@ def test_a_scaler_that_drops_every_update_is_not_called_a_forgotten_step() -> No
             scaler.update()
     found = [f.kind for f in gw.findings]
     assert "no_optimizer_step" not in found and "amp_overflow_persistent" in found
+
+
+def test_with_two_optimizers_that_never_step_the_second_is_told_at_close_after_the_first_was_told_while_running() -> None:
+    from gradwatch.observe.unstepped import DURING_RUN
+
+    model, _ = _model()
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=1e-2)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=1e-2)
+    with gradwatch.watch(model, [opt_a, opt_b], console=False) as gw:
+        for i in range(DURING_RUN + 5):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            _loss(model, i).backward()
+    found = [(f.kind, f.data["optimizer"]) for f in gw.findings]
+    assert found == [("no_optimizer_step", 0), ("no_optimizer_step", 1)]
