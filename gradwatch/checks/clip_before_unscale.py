@@ -6,7 +6,8 @@ every step, to ``max_norm`` in scaled units, and ``scaler.step`` then divides by
 gradient norm ends up ``max_norm / scale``: training barely moves, with no error and no NaN.
 
 Told from the step's own numbers (:mod:`gradwatch.observe.preclip` measures the clip, the unscaling scale is
-known): the gradient that reaches the update has a norm below :data:`TINY` while that norm times the scale is
+known, from the scaler's unscale stage or, for a fused optimizer that unscales inside its step, from the scale
+the scaler hands it): the gradient that reaches the update has a norm below :data:`TINY` while that norm times the scale is
 a usual ``max_norm`` (:data:`MAX_NORM_RANGE`). Clipping after unscaling leaves a norm of ``max_norm`` itself,
 thousands of times larger. Reported once per run.
 """

@@ -272,7 +272,10 @@ class AmpMonitor:
         scale = values[self._slots["scale"]][0]
         tracker = values[self._slots["tracker"]][0] if "tracker" in self._slots else 0.0
         if "grad_scale" in self._slots:
-            _unscale_norms(stats, values[self._slots["grad_scale"]][0], self._engine.config.per_layer)
+            grad_scale = values[self._slots["grad_scale"]][0]
+            _unscale_norms(stats, grad_scale, self._engine.config.per_layer)
+            if grad_scale != 1.0:  # a fused optimizer unscales inside its step: what a clip before it saw
+                stats.extra["unscaled_by"] = grad_scale
         overflow_here = "found_inf" in self._slots and values[self._slots["found_inf"]][0] > 0
         hidden = self._hidden_overflows(scale, tracker) if self.integration == "plain" else 0
         self._last_scale, self._last_tracker, self._last_was_overflow = scale, tracker, overflow_here

@@ -10,10 +10,11 @@ from torch import nn
 import gradwatch
 
 
-def _run(order: str, max_norm: float = 1.0, steps: int = 12) -> list[gradwatch.Finding]:
+def _run(order: str, max_norm: float = 1.0, steps: int = 12, fused: bool = False) -> list[gradwatch.Finding]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # A fused optimizer unscales inside its own step (the scaler hands it the scale): no unscale stage to read.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=order != "no-scaler")
     with gradwatch.watch(model, opt, console=plain_console()) as gw:
         for step in range(steps):
@@ -39,9 +40,9 @@ def _run(order: str, max_norm: float = 1.0, steps: int = 12) -> list[gradwatch.F
     return gw.findings
 
 
-@pytest.mark.parametrize("order", ["clip-scaled", "clip-then-unscale"])
-def test_clipping_before_unscaling_is_reported_once_with_the_order_that_fixes_it(order: str) -> None:
-    found = [f for f in _run(order) if f.kind == "clip_before_unscale"]
+@pytest.mark.parametrize(("order", "fused"), [("clip-scaled", False), ("clip-then-unscale", False), ("clip-scaled", True)])
+def test_clipping_before_unscaling_is_reported_once_with_the_order_that_fixes_it(order: str, fused: bool) -> None:
+    found = [f for f in _run(order, fused=fused) if f.kind == "clip_before_unscale"]
     (f,) = found
     assert (f.severity, f.step) == ("warning", 0)
     assert f.data["scale"] == 65536.0 and 0.5 < f.data["max_norm"] < 2.0  # the max_norm=1.0 the loop set
@@ -62,3 +63,8 @@ def test_clipping_before_unscaling_is_reported_once_with_the_order_that_fixes_it
 )
 def test_clipping_the_unscaled_gradients_is_not_reported(order: str, max_norm: float) -> None:
     assert "clip_before_unscale" not in [f.kind for f in _run(order, max_norm)]
+
+
+@pytest.mark.parametrize("order", ["unscale-then-clip", "none"])
+def test_a_fused_optimizer_whose_gradients_were_unscaled_before_clipping_is_not_reported(order: str) -> None:
+    assert "clip_before_unscale" not in [f.kind for f in _run(order, fused=True)]
