@@ -58,6 +58,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("bad_backward", "error", "a custom autograd.Function whose backward disagrees with its forward"),
     # magnitudes
     Kind("lr_too_high", "warning", "an early update moves the weights by several times their norm"),
+    Kind("lr_collapsed", "warning", "every learning rate fell to nothing (a per-epoch scheduler stepped per batch)"),
     Kind("grads_all_zero", "warning", "every gradient exactly 0 for several steps"),
     Kind("exploding_grad", "warning", "a gradient norm far too large"),
     Kind("vanishing_grad", "warning", "layers whose gradients stay tiny next to the others"),
