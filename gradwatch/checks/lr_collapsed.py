@@ -4,7 +4,8 @@ A scheduler meant per epoch and stepped per batch (``StepLR(step_size=30, gamma=
 iteration: 1e-10 of the learning rate after 300 batches), or a decay schedule far shorter than the run, leaves
 every later update at zero in all but name: the loss stops moving, with no error, no NaN and healthy gradients.
 Reported once, when every group's learning rate has stayed below :data:`COLLAPSE` of the largest it had for
-:data:`STEPS` checked steps in a row. A schedule that ends at 0 (cosine or linear decay over the run) gets there
+:data:`STEPS` checked steps in a row (looked at every :data:`EVERY`-th checked step: a learning rate moves
+slowly, and the other steps cost one modulo). A schedule that ends at 0 (cosine or linear decay over the run) gets there
 only in its last few steps; a group kept at ``lr=0`` on purpose has no largest value and is left out, and so is
 an optimizer with such groups only.
 """
@@ -22,6 +23,8 @@ from gradwatch.core.stats import StepStats
 COLLAPSE = 1e-10
 #: Checked steps in a row every group must stay collapsed.
 STEPS = 100
+#: The learning rates are read on every EVERY-th step only (STEPS // EVERY looks in a row).
+EVERY = 10
 
 _KEY = "lr_collapsed"
 
@@ -44,9 +47,11 @@ def collapsed(now: list[float], peaks: list[float]) -> bool:
 
 
 def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
+    if stats.step % EVERY:
+        return []
     state = history.memory.get(_KEY, {}).get(stats.optimizer_index)
-    if state is None or state["run"] < STEPS - 1 or state["reported"]:
-        return []  # (the usual step: no collapse under way)
+    if state is None or state["run"] < STEPS // EVERY - 1 or state["reported"]:
+        return []  # (no collapse under way)
     now = lrs(stats)
     if now is None or len(now) != len(state["peaks"]) or not collapsed(now, state["peaks"]):
         return []
@@ -55,6 +60,8 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
 
 
 def remember(stats: StepStats, history: History) -> None:
+    if stats.step % EVERY:
+        return
     now = lrs(stats)
     if now is None:
         return

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.checks.lr_collapsed import STEPS
+from gradwatch.checks.lr_collapsed import EVERY, STEPS
 
 
 def _run(make_sched: Any, steps: int, groups: str = "one") -> list[gradwatch.Finding]:
@@ -36,10 +36,10 @@ def _run(make_sched: Any, steps: int, groups: str = "one") -> list[gradwatch.Fin
 
 def test_an_epoch_scheduler_stepped_every_batch_is_reported_once_when_every_update_is_nothing() -> None:
     # StepLR(step_size=20, gamma=0.05) called per batch: 0.05 * 0.05**8 = 2e-12 < 1e-10 * 0.05 from step 160 on
-    # (0.05 * 0.05**7 = 4e-11 before it: well above).
+    # (0.05 * 0.05**7 = 4e-11 before it: well above). Looked at every EVERY-th step: STEPS // EVERY looks from 160.
     found = _run(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=20, gamma=0.05), 160 + STEPS + 60)
     (f,) = [f for f in found if f.kind == "lr_collapsed"]
-    assert (f.severity, f.step, f.data["since"]) == ("warning", 160 + STEPS - 1, 160)
+    assert (f.severity, f.step, f.data["since"]) == ("warning", 160 + STEPS - EVERY, 160)
     assert "per batch" in f.message and "once per epoch" in f.fix
 
 
