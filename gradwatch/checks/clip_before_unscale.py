@@ -61,6 +61,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     clip = scaled_clip(stats)
     if clip is None:
         return []
+    stats.extra[_KEY] = True  # a note for remember: reported (the facts are not worked out twice)
     return [
         Finding(
             kind=_KEY,
@@ -87,5 +88,5 @@ def clip_explanation(step: int, clip: ScaledClip) -> Explanation:
 
 
 def remember(stats: StepStats, history: History) -> None:
-    if "unscaled_by" in stats.extra and not history.reported.get(_KEY) and scaled_clip(stats) is not None:
+    if stats.extra.get(_KEY):
         history.reported[_KEY] = True

@@ -141,6 +141,7 @@ StepExtra = TypedDict(
         "update_nonfinite_eps": float,  # that eps
         "update_nonfinite_params": "list[str]",  # the parameters whose update would be NaN/Inf (half_update)
         "lr_collapsed": bool,  # lr_collapsed: reported at this step
+        "clip_before_unscale": bool,  # clip_before_unscale: reported at this step
         "scalars": "dict[str, float]",  # more TensorBoard scalars of this step, by tag
         "ddp": bool,  # the model is wrapped in DistributedDataParallel
         "unused_expected": bool,  # DDP's find_unused_parameters: parameters without gradient are expected
