@@ -62,9 +62,12 @@ TARGETS = {
 #: Variants whose cost comes every N steps: judged on the total-time ratio (amortized), not the median.
 AMORTIZED = {"gradwatch every=10"}
 #: Variant judged against another variant of the same table (its median ratio at most the other's), not a number.
-RELATIVE_TARGETS = {"gradwatch default": "Lightning grad_norm"}
-#: The noise floor shown next to a relative verdict: two identical variants.
-AA_ROW = "bare (A/A)"
+RELATIVE_TARGETS = {
+    "gradwatch default": "Lightning grad_norm, logged every step",
+    "gradwatch callback": "Lightning grad_norm, logged every step",
+}
+#: The noise floor shown next to a relative verdict: two identical variants (plain loop; Lightning).
+AA_ROWS = ("bare (A/A)", "without callback (A/A)")
 #: Standalone: gradwatch's check at most this many times the fused floor (None: shown, not judged).
 OWN_VS_FLOOR: dict[str, float | None] = {"W1": None, "W2": 1.2, "W3": 1.2}
 OWN_VS_ADAMW = 0.15
@@ -302,16 +305,45 @@ def _per_param_loop(wl: Workload, name: str, tmp: str) -> Variant:
     return Variant(name, _train_step(model, opt, wl, before_step=check))
 
 
-def _lightning_grad_norm(wl: Workload, name: str, tmp: str) -> Variant | str:
+def _import_grad_norm() -> Callable[..., dict[str, torch.Tensor]] | None:
     try:
         from lightning.pytorch.utilities import grad_norm
     except ImportError:
         try:
             from pytorch_lightning.utilities import grad_norm  # type: ignore[no-redef]
         except ImportError:
-            return "Lightning is not installed"
+            return None
+    return grad_norm
+
+
+def _lightning_grad_norm(wl: Workload, name: str, tmp: str) -> Variant | str:
+    """Lightning's ``grad_norm`` computed every step, its values not read (no sync, nothing logged)."""
+    grad_norm = _import_grad_norm()
+    if grad_norm is None:
+        return "Lightning is not installed"
     model, opt = build(wl)
     return Variant(name, _train_step(model, opt, wl, before_step=lambda: grad_norm(model, 2)))
+
+
+def _lightning_grad_norm_logged(wl: Workload, name: str, tmp: str) -> Variant | str:
+    """``grad_norm`` as Lightning's documentation uses it, logged every step: each value read and written to
+    TensorBoard, as ``self.log_dict(grad_norm(self, 2))`` with ``log_every_n_steps=1`` and Lightning's
+    TensorBoardLogger end up doing (without the Trainer's own bookkeeping of the logged values)."""
+    grad_norm = _import_grad_norm()
+    if grad_norm is None:
+        return "Lightning is not installed"
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, opt = build(wl)
+    writer = SummaryWriter(tempfile.mkdtemp(prefix=f"gn-{wl.name}-", dir=tmp))
+    step = [0]
+
+    def log() -> None:
+        for key, value in grad_norm(model, 2).items():
+            writer.add_scalar(key, value.item(), step[0])
+        step[0] += 1
+
+    return Variant(name, _train_step(model, opt, wl, before_step=log), close=writer.close)
 
 
 def _anomaly(wl: Workload, name: str, tmp: str) -> Variant:
@@ -380,7 +412,8 @@ VARIANTS: list[tuple[str, Callable[..., Variant | str]]] = [
     ("gradwatch escalated (reference)", _escalated),
     ("floor: fused _foreach_norm + isfinite + 1 sync", _floor),
     ("per-parameter .item() loop", _per_param_loop),
-    ("Lightning grad_norm", _lightning_grad_norm),
+    ("Lightning grad_norm, logged every step", _lightning_grad_norm_logged),
+    ("Lightning grad_norm, not logged", _lightning_grad_norm),
     ("isfinite forward hooks (NanDetector)", _nan_hooks),
     ("torch.autograd.detect_anomaly", _anomaly),
     ("TensorBoard histograms every step", _tb_histograms),
@@ -483,7 +516,7 @@ def run_standalone(wl: Workload, reps: int, tmp: str, rng: random.Random) -> dic
                          console=Console(file=io.StringIO(), width=120, color_system=None))
     wl.loss_fn(model(x), y).backward()
     engine = gw.engine
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = list(model.parameters())
 
     adam_model, adam_opt = build(wl)
     wl.loss_fn(adam_model(x), y).backward()
@@ -492,8 +525,8 @@ def run_standalone(wl: Workload, reps: int, tmp: str, rng: random.Random) -> dic
         engine.check_step(0)
         engine.step_done(0)
 
-    def floor() -> None:
-        fused_floor(grads)
+    def floor() -> None:  # as in the loop's floor row: a check in a step reads the gradients off the parameters
+        fused_floor([p.grad for p in params if p.grad is not None])
 
     def adamw() -> None:
         adam_opt.step()
@@ -532,8 +565,12 @@ PL_TURN_TIMEOUT = 120.0
 PL_STOP_TIMEOUT = 60.0
 
 
-def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, with_cb: bool, threads: int, tmp: str) -> None:
+def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, mode: str, threads: int, tmp: str) -> None:
     """One ``Trainer.fit`` of W2 in a process of its own, run by :func:`run_lightning` through ``conn``.
+
+    ``mode``: ``"none"`` (the bare fit), ``"callback"`` (gradwatch's callback) or ``"grad_norm"`` (the module logs
+    Lightning's ``grad_norm`` in ``on_before_optimizer_step``, as Lightning's documentation shows). Every fit
+    has ``log_every_n_steps=1``: the logged norms are written at every step.
 
     Protocol (tuples over a duplex pipe). Child to parent: ``("ready", info)`` at the first batch,
     ``("turn", mean_step_s, n_steps)`` at the end of each turn, ``("error", text)`` if the fit fails,
@@ -557,7 +594,7 @@ def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, with_cb
             conn.send(("error", f"the fit process imported gradwatch from {gw_mod.__file__}, not {gradwatch_file}"))
             return
         callback_cls: Any = None
-        if with_cb:
+        if mode == "callback":
             callback_cls = importlib.import_module("gradwatch.lightning").GradWatchCallback
 
         wl = make_workloads(tied=False)["W2"]
@@ -578,6 +615,12 @@ def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, with_cb
 
             def configure_optimizers(self) -> torch.optim.Optimizer:
                 return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        class GradNormModule(Module):
+            def on_before_optimizer_step(self, optimizer: Any) -> None:
+                from lightning.pytorch.utilities import grad_norm
+
+                self.log_dict(grad_norm(self, norm_type=2))
 
         class Turns(pl.Callback):
             """Times each step (batch start to next batch start); between turns, waits for the parent."""
@@ -631,10 +674,10 @@ def _lightning_fit_child(conn: Any, repo_root: str, gradwatch_file: str, with_cb
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
-            log_every_n_steps=50,
+            log_every_n_steps=1,
             callbacks=callbacks,
         )
-        trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
+        trainer.fit(GradNormModule() if mode == "grad_norm" else Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
         conn.send(("done",))
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -658,13 +701,14 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
     except ImportError:
         return [], ["Lightning: skipped (lightning is not installed)"]
     notes: list[str] = []
-    variants = [("without callback", False), ("without callback (A/A)", False)]
+    variants = [("without callback", "none"), ("without callback (A/A)", "none"),
+                ("Lightning grad_norm, logged every step", "grad_norm")]
     try:
         importlib.import_module("gradwatch.lightning")  # (an import statement would bind a local `gradwatch`)
     except ImportError as exc:
         notes.append(f"W2-Lightning / gradwatch callback: skipped (gradwatch.lightning not importable: {exc})")
     else:
-        variants.append(("gradwatch callback", True))
+        variants.append(("gradwatch callback", "callback"))
 
     import multiprocessing
 
@@ -725,10 +769,10 @@ def run_lightning(rounds: int, steps: int, warmup: int, threads: int, tmp: str, 
 
     fits: list[Fit] = []
     try:
-        for name, with_cb in variants:  # all start at once (untimed); each stops at its first batch
+        for name, mode in variants:  # all start at once (untimed); each stops at its first batch
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(target=_lightning_fit_child, name=f"gradwatch-bench fit: {name}", daemon=True,
-                               args=(child_conn, repo_root, gradwatch_file, with_cb, threads, tmp))
+                               args=(child_conn, repo_root, gradwatch_file, mode, threads, tmp))
             proc.start()
             child_conn.close()  # the child's end lives in the child only: its exit gives the parent EOF
             fits.append(Fit(name, proc, parent_conn, []))
@@ -829,8 +873,8 @@ def table(title: str, rows: list[Row], targets: dict[str, float]) -> list[str]:
         judged = r.total_ratio if r.name in AMORTIZED else r.ratio
         which = " (total-time)" if r.name in AMORTIZED else ""
         verdict = "" if tgt is None else f"<= {tgt:.2f}{which} {'ok' if judged <= tgt else 'MISSED'}"
-        if r.name in RELATIVE_TARGETS and "-Lightning" not in title:
-            verdict = relative_verdict(r, by_name)
+        if r.name in RELATIVE_TARGETS:
+            verdict = "; ".join(v for v in (verdict, relative_verdict(r, by_name)) if v)
         name = r.name + (f" ({r.note})" if r.note else "")
         lines.append(
             f"| {name} | {r.median_ms:.2f} | {r.ratio:.3f} | {r.ratio_lo:.2f}-{r.ratio_hi:.2f} | {r.total_ratio:.3f} "
@@ -844,7 +888,7 @@ def relative_verdict(row: Row, by_name: dict[str, Row]) -> str:
     other = by_name.get(RELATIVE_TARGETS[row.name])
     if other is None:
         return f"<= {RELATIVE_TARGETS[row.name]}: not measured"
-    aa = by_name.get(AA_ROW)
+    aa = next((by_name[n] for n in AA_ROWS if n in by_name), None)
     noise = f"; A/A {aa.ratio:.3f} ({aa.ratio_lo:.2f}-{aa.ratio_hi:.2f})" if aa is not None else ""
     ok = "ok" if row.ratio <= other.ratio else "MISSED"
     return f"<= {other.name} {other.ratio:.3f}: {row.ratio:.3f} {ok}{noise}"
@@ -856,7 +900,8 @@ def standalone_table(results: dict[str, list[dict[str, float]]]) -> list[str]:
         "#### gradwatch's own per-step work on ready gradients (standalone)",
         "",
         "Each repeat: the engine's check path called directly on one backward's gradients, in blocks of 5 calls "
-        "interleaved in shuffled order with the fused floor and `AdamW.step`; check / floor = median over the "
+        "interleaved in shuffled order with the fused floor (which reads the gradients off the parameters, as the "
+        "check does) and `AdamW.step`; check / floor = median over the "
         "blocks of (check block / the floor block of the same round). Medians over the repeats; spread = "
         "min-max of the repeats' check / floor.",
         "",
