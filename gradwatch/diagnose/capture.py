@@ -46,8 +46,8 @@ class Call:
         "grads",
         "held",
         "kwargs",
+        "_nbytes",
         "losses",
-        "nbytes",
         "node_index",
         "nodes",
         "output_ok",
@@ -59,7 +59,7 @@ class Call:
     def __init__(self, args: Any, kwargs: Any, autocast: Any) -> None:
         self.args = args
         self.kwargs = kwargs
-        self.nbytes = input_bytes(args, kwargs)
+        self._nbytes: int | None = None  # counted when the budget is asked about (see nbytes)
         self.autocast = autocast
         # The replay draws the same dropout masks and random ops (not inside a torch.compile trace: reading
         # the generator there is a graph break; a compiled model's replay then draws fresh numbers).
@@ -75,6 +75,15 @@ class Call:
         #: Weak references to the forward's output tensors: read only when an exception ends the loop (they
         #: live as long as the loop's own variables, a traceback's frames included).
         self.outputs: list[Any] = []
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its inputs (see :func:`input_bytes`): counted on first use, only when a step keeps more
+        calls than the budget lets through without counting (an accumulation of MAX_GRADS micro-batches or more).
+        The arguments are the call's own, referenced since it ran: the count is the one it had then."""
+        if self._nbytes is None:
+            self._nbytes = input_bytes(self.args, self.kwargs)
+        return self._nbytes
 
     def set_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.held:
@@ -165,13 +174,20 @@ class Batch:
 
     def __init__(self, batch: Any, batch_idx: int, trainer: Any, pl_module: Any) -> None:
         self.batch = batch
-        self.nbytes = input_bytes(batch)
+        self._nbytes: int | None = None
         self.batch_idx = batch_idx
         self.trainer = trainer
         self.pl_module = pl_module
         #: The (detached) losses observed for this batch, read on an incident only.
         self.losses: list[torch.Tensor] = []
         self.rng = rng_state()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the batch's tensors, counted on first use (as :attr:`Call.nbytes`)."""
+        if self._nbytes is None:
+            self._nbytes = input_bytes(self.batch)
+        return self._nbytes
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -200,6 +200,8 @@ def within_budget(kept: list[Any]) -> int:
     """How many of the oldest of ``kept`` (calls or batches, oldest first, each with ``nbytes``) to let go: past
     MAX_CALLS, and past MAX_INPUT_BYTES of inputs beyond the MAX_GRADS most recent."""
     drop = max(0, len(kept) - MAX_CALLS)
+    if len(kept) - drop <= MAX_GRADS:
+        return drop  # the most recent are always kept: no bytes to count (the usual step, one forward call)
     total = sum(k.nbytes for k in kept[drop:])
     while len(kept) - drop > MAX_GRADS and total > MAX_INPUT_BYTES:
         total -= kept[drop].nbytes
