@@ -41,12 +41,12 @@ class Call:
 
     __slots__ = (
         "__weakref__",
+        "_nbytes",
         "args",
         "autocast",
         "grads",
         "held",
         "kwargs",
-        "_nbytes",
         "losses",
         "node_index",
         "nodes",
