@@ -71,6 +71,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("amp_overflow", "info", "a GradScaler dropped updates (a warning when most updates are dropped)"),
     Kind("amp_overflow_persistent", "warning", "the GradScaler keeps overflowing after it settled"),
     Kind("clip_before_unscale", "warning", "gradients clipped while a GradScaler still scaled them: every update shrunk"),
+    # many processes
+    Kind("ddp_unused_parameters", "error", "DDP left a backward unreduced: parameters unused on that step"),
 )
 
 #: Kind name -> row.

@@ -44,6 +44,7 @@ import torch
 from gradwatch.core.failures import internal_warning, safe_warn
 from gradwatch.core.findings import Finding, GradWatchError
 from gradwatch.core.stats import StepStats, layer_key, layer_norms, total_norm
+from gradwatch.observe.ddp_reduction import unreduced_facts, unused_finding
 from gradwatch.observe.module_hooks import owned
 from gradwatch.observe.rank_findings import (
     origin_summary,
@@ -159,6 +160,7 @@ class RankAgreement:
         self._synced = False  # DDP synchronizes the backward of the latest forward
         self._outer_guard: Any = None  # the same hook on the DDP wrapper, when the model inside it is watched
         self._loop_skipped: list[int] = []  # at this check: the ranks whose loop skipped it (their probes)
+        self._unreduced_reported = False  # ddp_unused_parameters at a step: once per run
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -481,6 +483,11 @@ class RankAgreement:
         if ddp is not None and getattr(ddp, "find_unused_parameters", False):
             # The user told DDP that some parameters go unused on some steps: none_grad waits for them.
             stats.extra["unused_expected"] = True
+        if ddp is not None and not self._unreduced_reported:
+            facts = unreduced_facts(ddp, stats.step)  # no collective, no sync: DDP's reducer state
+            if facts is not None:
+                self._unreduced_reported = True
+                self._engine.add_finding(unused_finding(facts))
 
     def _maybe_fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
         """On the first FINGERPRINTS checks, when no parameter is sharded: are the ranks replicas? A

@@ -36,6 +36,7 @@ from gradwatch.diagnose.autograd.inplace import explain_inplace_backward
 from gradwatch.diagnose.autograd.inplace_forward import explain_inplace_forward
 from gradwatch.diagnose.autograd.no_grad_fn import explain_no_graph
 from gradwatch.diagnose.autograd.nonscalar import explain_nonscalar
+from gradwatch.observe.ddp_reduction import ERROR_TEXT, raised_facts, unused_finding
 from gradwatch.observe.tracing import ForwardTracer
 
 __all__ = ["ERRORS", "MAX_NODES", "explain", "node_op_name"]
@@ -69,7 +70,13 @@ ERRORS: tuple[tuple[re.Pattern[str], Callable[[Context, re.Match[str]], Finding 
     (re.compile(re.escape("does not require grad and does not have a grad_fn")), lambda ctx, m: explain_no_graph(ctx)),
     (re.compile(re.escape("grad can be implicitly created only for")), lambda ctx, m: explain_nonscalar(ctx)),
     (_ANOMALY_NAN, lambda ctx, m: explain_anomaly_nan(ctx, m.group("op"), int(m.group("index")))),
+    (re.compile(re.escape(ERROR_TEXT)), lambda ctx, m: _ddp_unused(ctx)),
 )
+
+
+def _ddp_unused(ctx: Context) -> Finding | None:
+    facts = raised_facts(ctx.exc, ctx.step)
+    return unused_finding(facts) if facts is not None else None
 
 
 def explain(exc: BaseException, *, engine: Any, step: int) -> Finding | None:
