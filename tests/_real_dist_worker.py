@@ -200,8 +200,12 @@ def fsdp2(rank: int, out_dir: str, nan: bool = False) -> dict[str, Any]:
     return _result(gw, console, model, caught, finite=finite)
 
 
-def diverged(rank: int, out_dir: str, at: int = 0) -> dict[str, Any]:
-    """Rank 1 changes a weight after DDP's construction-time broadcast (at step ``at``): replicas diverge."""
+def diverged(rank: int, out_dir: str, at: int | None = 0, steps: int = 12) -> dict[str, Any]:
+    """Rank 1 changes a weight after DDP's construction-time broadcast (at step ``at``): replicas diverge.
+    ``at=None``: a healthy run long enough for the periodic replica checks."""
+    import gradwatch.observe.distributed
+
+    gradwatch.observe.distributed.REPLICA_CHECK_EVERY = 4  # the replica check every 4 checks, not 100
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -209,7 +213,7 @@ def diverged(rank: int, out_dir: str, at: int = 0) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with gradwatch.watch(model, opt, console=console) as gw:
-            for step in range(12):
+            for step in range(steps):
                 if rank == 1 and step == at:
                     with torch.no_grad():
                         model.module.head.weight.mul_(3.0)
@@ -232,6 +236,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "fsdp2_nan": lambda r, d: fsdp2(r, d, nan=True),
     "diverged": diverged,
     "diverged_late": lambda r, d: diverged(r, d, at=5),
+    "replicas_healthy": lambda r, d: diverged(r, d, at=None, steps=20),
 }
 
 

@@ -106,3 +106,23 @@ def test_fsdp2_nan_in_one_ranks_batch_is_skipped_on_both(runs: list[dict[str, An
     assert r0["skipped"] == r1["skipped"] == 1 and r0["finite"] and r1["finite"]
     assert r0["params"] == r1["params"]
     assert ("nonfinite_grad", 7) in kinds(r0)
+
+
+# A weight changed on rank 1 after DDP wrapped the model: before, the differing parameters were taken for
+# "independent models" (a k-fold sweep) and gradwatch stopped agreeing across ranks; mid-run it said nothing.
+@pytest.mark.parametrize("name, step", [("diverged", 0), ("diverged_late", 8)])
+def test_ddp_replicas_changed_on_one_rank_are_reported_with_the_parameter(
+    runs: list[dict[str, Any]], name: str, step: int
+) -> None:
+    r0, r1 = scenario(runs, name)
+    assert r0["params"] != r1["params"]  # the bug reproduced: the replicas differ
+    for r in (r0, r1):
+        assert kinds(r) == [("replicas_diverged", step)] and r["warnings"] == []
+        assert r["findings"][0]["params"] == ["head.weight"] and r["findings"][0]["data"]["ranks"] == [1]
+    assert "head.weight differs from rank 0's" in r0["findings"][0]["message"]
+    assert "replicas_diverged at step" in r0["console"] and r1["console"] == ""
+
+
+def test_ddp_replica_checks_on_a_healthy_run_find_nothing(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(runs, "replicas_healthy")
+    assert kinds(r0) == kinds(r1) == [] and r0["params"] == r1["params"]

@@ -73,6 +73,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("clip_before_unscale", "warning", "gradients clipped while a GradScaler still scaled them: every update shrunk"),
     # many processes
     Kind("ddp_unused_parameters", "error", "DDP left a backward unreduced: parameters unused on that step"),
+    Kind("replicas_diverged", "error", "the DDP replicas hold different parameters: a weight changed on one rank"),
 )
 
 #: Kind name -> row.

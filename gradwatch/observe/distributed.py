@@ -56,6 +56,7 @@ from gradwatch.observe.rank_findings import (
     relayed_finding,
     skipped_step_finding,
 )
+from gradwatch.observe.replicas import REPLICA_CHECK_EVERY, diverged_facts, diverged_finding, gather_signatures
 from gradwatch.observe.skipped_step import (
     backward_left_unstepped,
     ddp_synced,
@@ -161,6 +162,7 @@ class RankAgreement:
         self._outer_guard: Any = None  # the same hook on the DDP wrapper, when the model inside it is watched
         self._loop_skipped: list[int] = []  # at this check: the ranks whose loop skipped it (their probes)
         self._unreduced_reported = False  # ddp_unused_parameters at a step: once per run
+        self._checks_done = 0  # agreement collectives completed (equal on every rank): paces the replica check
 
     def attach(self, engine: Any) -> None:
         dist = _dist()
@@ -284,9 +286,10 @@ class RankAgreement:
         """The rest of the check the other ranks run on the step this rank's loop skipped: their collectives
         (what each rank saw, where the NaN was born), with nothing of this rank's own to add. Its flag makes
         every rank skip that update; no check of its own runs (no update of its own took these gradients)."""
+        self._checks_done += 1
         if fingerprinted:
             self._fingerprints += 1
-            self._replicas = self._same_everywhere(values[-2], values[-1])
+            self._replicas = self._same_everywhere(values[-2], values[-1], sum(self._engine.step_counts))
         engine = self._engine
         losses = list(engine.ledger.losses)  # observed since the last step: the skipped batch's (one read)
         bad_loss = bool(losses) and not all(bool(torch.isfinite(loss).all()) for loss in losses)
@@ -492,7 +495,11 @@ class RankAgreement:
     def _maybe_fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
         """On the first FINGERPRINTS checks, when no parameter is sharded: are the ranks replicas? A
         fingerprint of this rank's parameters (their first elements, summed), or None when not asked."""
-        ask = self._replicas is not False and self._fingerprints < FINGERPRINTS and not self._any_sharded
+        # Under DDP the ranks must stay replicas: asked again every REPLICA_CHECK_EVERY checks (a weight changed
+        # on one rank mid-run). ``_checks_done`` and the DDP module are the same on every rank.
+        periodic = self._checks_done % REPLICA_CHECK_EVERY == 0 and self._ddp_module() is not None
+        first = self._fingerprints < FINGERPRINTS
+        ask = self._replicas is not False and (first or periodic) and not self._any_sharded
         fingerprint = self._fingerprint(ctx, device) if ask else None
         if fingerprint is None and self._replicas is None:
             self._replicas = True  # sharded parameters (FSDP), or no fingerprint: not asked again
@@ -500,7 +507,7 @@ class RankAgreement:
 
     def _fingerprint(self, ctx: Any, device: torch.device) -> torch.Tensor | None:
         try:
-            params = [p for op in self._engine.index.per_optimizer for p in op.params if p.numel() > 0]
+            params = [p for _, p in self._fingerprinted_params()]
             if not params:
                 return None
             firsts = torch.stack([p.detach().reshape(-1)[0].to(device, torch.float32) for p in params[:512]])
@@ -509,14 +516,29 @@ class RankAgreement:
             internal_warning("RankAgreement (fingerprint)", exc, owner=self._engine, key="RankAgreement.fingerprint")
             return None
 
-    def _same_everywhere(self, total: float, squares: float) -> bool:
+    def _fingerprinted_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) the fingerprint reads: under DDP the parameters DDP keeps in sync (not those it
+        was told to ignore, nor an optimizer's parameters outside it), else every watched one."""
+        ddp = self._ddp_module()
+        if ddp is not None:
+            kept = {id(p) for p in getattr(ddp, "_module_parameters", ddp.parameters())}
+            return [(n, p) for n, p in ddp.module.named_parameters() if id(p) in kept and p.numel() > 0][:512]
+        named = [(n, p) for op in self._engine.index.per_optimizer for n, p in zip(op.names, op.params)]
+        return [(n, p) for n, p in named if p.numel() > 0][:512]
+
+    def _same_everywhere(self, total: float, squares: float, step: int) -> bool:
         """From the summed fingerprints: do all ranks hold the same parameters (replicas)? If not, the
         processes train different models (a k-fold split or a sweep launched with torchrun): no agreement
-        from here on, every rank decides alone. Every rank reads the same sums, so all switch together."""
+        from here on, every rank decides alone. Every rank reads the same sums, so all switch together.
+        Under DDP they are replicas by construction: different parameters are a bug (``replicas_diverged``),
+        reported once, and the agreement stays (DDP pairs the ranks' steps)."""
         w = self.world
         mean = total / w
         spread = squares / w - mean * mean
         same = spread <= 1e-5 * max(mean * mean, 1e-12) + 1e-12
+        if not same and self._ddp_module() is not None:
+            self._report_diverged(step)
+            return False
         if not same:
             self._solo = True
             safe_warn(
@@ -526,6 +548,18 @@ class RankAgreement:
                 stacklevel=3,
             )
         return same
+
+    def _report_diverged(self, step: int) -> None:
+        """Every rank runs it on the same check: one all_gather of per-parameter signatures names them."""
+        try:
+            named = self._fingerprinted_params()
+            device = named[0][1].device if named else torch.device("cpu")
+            if "nccl" in str(_dist().get_backend(self.group)) and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            gathered = gather_signatures(_dist(), self.group, self.world, [p for _, p in named], device)
+            self._engine.add_finding(diverged_finding(diverged_facts(step, [n for n, _ in named], gathered)))
+        except Exception as exc:  # noqa: BLE001 - never break training over a report
+            internal_warning("RankAgreement (replicas)", exc, owner=self._engine, key="RankAgreement.replicas")
 
     def _device(self, ctx: Any, parts: list[torch.Tensor]) -> torch.device:
         dist = _dist()
@@ -600,10 +634,11 @@ class RankAgreement:
             return
         values = ctx.batch.resolve()[self._slot]
         stats: StepStats = ctx.stats
+        self._checks_done += 1
         if self._fingerprinted:
             self._fingerprinted = False
             self._fingerprints += 1
-            self._replicas = self._same_everywhere(values[-2], values[-1])
+            self._replicas = self._same_everywhere(values[-2], values[-1], stats.step)
             values = values[:-2]
         self._loop_skipped = probing_ranks(values, self.world)
         if self._loop_skipped:
