@@ -65,3 +65,16 @@ def test_a_loss_that_went_first_names_the_first_backward_op_without_the_word_op(
     message = origin_message(first)
     assert "In the backward pass the first op to go non-finite was SqrtBackward0 (torch.sqrt) in module " in message
     assert "\nFix: the model's output (and so its inputs or weights) reached values the loss cannot hold" in message
+
+
+def test_a_backward_mul_of_a_masked_inf_takes_the_fix_of_the_op_that_made_the_inf() -> None:
+    mul = dataclasses.replace(
+        SQRT_BACKWARD, op="MulBackward0", forward_op="Tensor.mul", outgoing={"nan": True, "inf": False},
+        incoming={"max_abs": 0.1, "forward_min": -math.inf, "forward_max_abs": math.inf},
+        inf_op="torch.log", inf_forward_op="torch.log", inf_source="model.py:9 in forward", inf_code="w * x.log()",
+    )
+    assert origin_fix(mul).startswith(fix_for("LogBackward0") + " Here the Inf it made was masked out")
+    assert "The Inf among its forward inputs was made by op torch.log at model.py:9 in forward: w * x.log();" in (
+        origin_message(mul)
+    )
+    assert origin_fix(dataclasses.replace(mul, inf_op=None)) == fix_for("MulBackward0")

@@ -120,6 +120,12 @@ def absorbed(outgoing: dict[str, Any], ends_finite: bool | None) -> bool:
     return not outgoing.get("nan") and ends_finite is True
 
 
+def inf_reached(incoming: dict[str, float]) -> bool:
+    """A backward birth whose op saw Inf among its forward inputs (``forward_max_abs`` of its origin): its NaN
+    is 0 * inf, the zero gradient of positions the forward masked out times the Inf they held."""
+    return incoming.get("forward_max_abs") == math.inf
+
+
 def first_seen(ops: list[tuple[Site, list[float] | None]]) -> Site | None:
     """With no birth found: the site of the first op whose inputs already held NaN/Inf."""
     return next((site for site, before in ops if before is not None and is_bad(before)), None)

@@ -42,6 +42,7 @@ from gradwatch.diagnose.birth import (
     first_birth,
     first_seen,
     forward_finite,
+    inf_reached,
     is_bad,
     last_finite,
     magnitudes,
@@ -131,6 +132,9 @@ class Origin:
     explicit_operand: bool = False
     forward_birth: bool = False  # a loss-code op's forward result was non-finite (read from its saved result)
     masked: bool = False  # a forward NaN the rest of the forward masked out (torch.where): the where-NaN trap
+    #: A backward birth whose forward inputs held Inf: the forward op that made that Inf, which the forward
+    #: then masked out (``torch.where(x > 0, w * x.log(), 0)``): the backward's 0 * inf is the NaN.
+    masked_inf: Origin | None = None
 
 
 @dataclass
@@ -645,6 +649,8 @@ class Localizer:
         backward = self._backward_origin(r.fired, forward_inputs)
         if backward is None and forward is None:
             backward = self._loss_forward_origin(r.fired, r.saved, r.results)
+        if backward is not None and forward is not None and inf_reached(backward.incoming):
+            backward.masked_inf = forward
         return backward if backward is not None or forward is None else forward
 
     def _loss_forward_origin(

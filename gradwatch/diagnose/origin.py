@@ -79,6 +79,9 @@ class OriginFacts:
         surrogate: Replayed with a gradient of ones at the model output.
         half: Ran under autocast in float16; half_weights: the model's weights are float16.
         first_module: The first module whose output was non-finite, and the range of its inputs.
+        inf_op: For a backward birth whose forward inputs held Inf: the forward op that made that Inf, which
+            the forward then masked out (``torch.where(x > 0, w * x.log(), 0)``); inf_forward_op, inf_source,
+            inf_code: its torch function, ``"file:line in function"`` and line.
     """
 
     step: int
@@ -100,6 +103,10 @@ class OriginFacts:
     half_weights: bool
     first_module: str | None
     first_module_inputs: dict[str, Any]
+    inf_op: str | None = None
+    inf_forward_op: str | None = None
+    inf_source: str | None = None
+    inf_code: str | None = None
 
     @property
     def op_base(self) -> str:
@@ -111,6 +118,7 @@ def _origin_facts(step: int, result: ReplayResult) -> OriginFacts:
     loc = result.loc
     origin = loc.origin
     assert origin is not None
+    inf = origin.masked_inf
     return OriginFacts(
         step=step,
         phase=origin.phase,
@@ -131,6 +139,10 @@ def _origin_facts(step: int, result: ReplayResult) -> OriginFacts:
         half_weights=result.half_weights,
         first_module=loc.first_module,
         first_module_inputs=loc.first_module_inputs,
+        inf_op=inf.op if inf is not None else None,
+        inf_forward_op=inf.forward_op if inf is not None else None,
+        inf_source=inf.source if inf is not None else None,
+        inf_code=inf.code if inf is not None else None,
     )
 
 
@@ -155,6 +167,12 @@ _WHERE_NAN_FIX = (
     "the op to a safe input instead: x_safe = torch.where(mask, x, 1.0), then "
     "torch.where(mask, x_safe.sqrt(), 0)."
 )
+_MASKED_INF_FIX = (
+    " Here the Inf it made was masked out of the forward pass (torch.where(mask, w * x.log(), 0), or a "
+    "multiplication by a 0/1 mask), but the backward multiplies the masked positions' zero gradient by it: "
+    "0 * inf = NaN. Apply the op to a safe input instead: x_safe = torch.where(mask, x, 1.0), then "
+    "torch.where(mask, w * x_safe.log(), 0)."
+)
 _AUTOCAST_HALF_FIX = (
     "this op ran under autocast in float16, whose largest finite value is 65504: the Inf is an "
     "overflow of half precision, not of the values themselves (clipping gradients cannot help). Keep "
@@ -174,6 +192,11 @@ _EXPLICIT_OPERAND_FIX = (
     "sentinel, mask it out before the loss (torch.where, or masked_fill with a finite value such as "
     "torch.finfo(x.dtype).min); otherwise replace it by a finite number."
 )
+
+
+def _masked_inf_fix(facts: OriginFacts, fix: str) -> str:
+    # The backward op (a Mul) only multiplied: the fix belongs to the op that made the Inf it multiplied by 0.
+    return fix_for(facts.inf_op, facts.inf_forward_op) + _MASKED_INF_FIX
 
 
 def _loss_before_model_fix(facts: OriginFacts, fix: str) -> str:
@@ -199,6 +222,7 @@ def _half_weights_overflow(facts: OriginFacts) -> bool:
 #: facts rewrites the fix so far, in this order (so the last matching replacement wins).
 _FIX_RULES: tuple[tuple[Callable[[OriginFacts], bool], Callable[[OriginFacts, str], str]], ...] = (
     (lambda f: f.phase == "backward" and f.loss_before_model, _loss_before_model_fix),
+    (lambda f: f.phase == "backward" and f.inf_op is not None, _masked_inf_fix),
     (
         lambda f: f.phase == "forward" and f.op_base in ("Softmax", "LogSoftmax") and bool(f.incoming.get("inf")),
         softmax_inf_fix,
@@ -289,6 +313,19 @@ def _forward_what(facts: OriginFacts) -> str:
     )
 
 
+def _masked_inf_note(facts: OriginFacts) -> str:
+    """Where the Inf among a backward op's forward inputs came from ("" when not known)."""
+    if facts.inf_op is None:
+        return ""
+    differs = facts.inf_forward_op and facts.inf_forward_op != facts.inf_op
+    label = facts.inf_op + (f" ({facts.inf_forward_op})" if differs else "")
+    where = f" at {facts.inf_source}" + (f": {facts.inf_code}" if facts.inf_code else "") if facts.inf_source else ""
+    return (
+        f" The Inf among its forward inputs was made by op {label}{where}; the forward pass masked it out, so "
+        "the loss stayed finite."
+    )
+
+
 def _backward_what(facts: OriginFacts) -> str:
     received, fwd = _backward_context(facts.incoming)
     site = f"{_op_label(facts)} {_where_in(facts)}{_source_lines(facts)}\n"
@@ -301,7 +338,7 @@ def _backward_what(facts: OriginFacts) -> str:
         )
     else:
         what = f"Born in the backward pass of step {facts.step} (the forward pass was finite): op {site}"
-    what += f"It received {received} and produced {_produced(facts)}.{fwd}"
+    what += f"It received {received} and produced {_produced(facts)}.{fwd}" + _masked_inf_note(facts)
     if facts.surrogate and facts.phase == "backward":
         what += " (Replayed with a gradient of ones at the model output; the real one was not available.)"
     return what
@@ -341,6 +378,11 @@ def _located_data(facts: OriginFacts, result: ReplayResult) -> dict[str, Any]:
         "loss_nonfinite_first": bool(facts.phase == "backward" and facts.loss_before_model),
         "custom_function": function,
         "check_with": _CHECK_CUSTOM_BACKWARD if function else None,
+        "masked_inf": (
+            {"op": facts.inf_op, "forward_op": facts.inf_forward_op, "source": facts.inf_source, "code": facts.inf_code}
+            if facts.inf_op is not None
+            else None
+        ),
     }
 
 
