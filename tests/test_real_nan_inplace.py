@@ -242,3 +242,29 @@ def test_truncated_bptt_without_detach_is_backward_twice_at_step_one() -> None:
     (finding,) = gw.findings
     assert (finding.kind, finding.step, finding.module) == ("backward_twice", 1, "rnn")
     assert "hidden = hidden.detach()" in finding.fix
+
+
+# -- torch.where in the loss code: a relative log error only where the prediction is positive -----------
+def test_masked_log_in_the_loss_code_keeps_its_suspects_in_the_escalated_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+
+    def step(i: int, gw: Any, opt: torch.optim.Optimizer) -> None:
+        pred, target = model(torch.randn(32, 4)).squeeze(-1), torch.rand(32) + 0.5
+        loss = torch.where(pred > 0, (torch.log(pred) - torch.log(target)) ** 2, pred**2).mean()
+        opt.zero_grad()
+        gw.observe_loss(loss)
+        loss.backward()
+        opt.step()
+
+    gw = _run(model, step, steps=3)
+    origins = _origins(gw)
+    assert [(f.step, f.data["phase"], f.data["replayed"]) for f in origins] == [
+        (0, "loss", True), (1, "loss", False), (2, "loss", False)
+    ]
+    for origin in origins:
+        assert origin.data["loss_ops"] == ["LogBackward0"]
+        assert origin.fix.startswith("log of 0 or of a negative number")
+    escalated = origins[1].message
+    assert "if it recurs in the next (escalated) steps" not in escalated
+    assert "x_safe = torch.where(mask, x, 1.0)" in escalated

@@ -194,6 +194,13 @@ _EXPLICIT_OPERAND_FIX = (
 )
 
 
+def inf_multiplied(facts: OriginFacts) -> bool:
+    """A backward NaN that is 0 * an Inf the forward masked out: the op that produced it has no domain edge of
+    its own (a multiplication, a matmul: the op table has no fix for it), and its forward inputs held an Inf
+    made by an earlier forward op. A logsumexp over that -inf is its own cause (a fully masked row)."""
+    return facts.phase == "backward" and facts.inf_op is not None and fix_for(facts.op, facts.forward_op) is GENERIC_FIX
+
+
 def _masked_inf_fix(facts: OriginFacts, fix: str) -> str:
     # The backward op (a Mul) only multiplied: the fix belongs to the op that made the Inf it multiplied by 0.
     return fix_for(facts.inf_op, facts.inf_forward_op) + _MASKED_INF_FIX
@@ -222,7 +229,7 @@ def _half_weights_overflow(facts: OriginFacts) -> bool:
 #: facts rewrites the fix so far, in this order (so the last matching replacement wins).
 _FIX_RULES: tuple[tuple[Callable[[OriginFacts], bool], Callable[[OriginFacts, str], str]], ...] = (
     (lambda f: f.phase == "backward" and f.loss_before_model, _loss_before_model_fix),
-    (lambda f: f.phase == "backward" and f.inf_op is not None, _masked_inf_fix),
+    (inf_multiplied, _masked_inf_fix),
     (
         lambda f: f.phase == "forward" and f.op_base in ("Softmax", "LogSoftmax") and bool(f.incoming.get("inf")),
         softmax_inf_fix,
@@ -315,7 +322,7 @@ def _forward_what(facts: OriginFacts) -> str:
 
 def _masked_inf_note(facts: OriginFacts) -> str:
     """Where the Inf among a backward op's forward inputs came from ("" when not known)."""
-    if facts.inf_op is None:
+    if not inf_multiplied(facts):
         return ""
     differs = facts.inf_forward_op and facts.inf_forward_op != facts.inf_op
     label = facts.inf_op + (f" ({facts.inf_forward_op})" if differs else "")
@@ -380,13 +387,31 @@ def _located_data(facts: OriginFacts, result: ReplayResult) -> dict[str, Any]:
         "check_with": _CHECK_CUSTOM_BACKWARD if function else None,
         "masked_inf": (
             {"op": facts.inf_op, "forward_op": facts.inf_forward_op, "source": facts.inf_source, "code": facts.inf_code}
-            if facts.inf_op is not None
+            if inf_multiplied(facts)
             else None
         ),
     }
 
 
-def _loss_suspects(loss_ops: list[str]) -> str:
+#: Why the suspect that did it is not named, by whether the step was replayed (else it ran escalated, with
+#: the loss code's backward watched).
+_UNNAMED_SUSPECT = {
+    True: (
+        " Which of them did cannot be told after the backward (it frees the values they saw); if it recurs in "
+        "the next (escalated) steps, the op is named with its line."
+    ),
+    False: (
+        " This step ran escalated with the loss code's backward watched: the ops whose gradient went "
+        "non-finite there already had NaN/Inf among their forward inputs, so one of these ops made it in the "
+        "loss code's forward pass, and the rest masked it out (torch.where(mask, x.log(), 0) still sends "
+        "0 * NaN = NaN back) or passed it on. "
+        "Compute such an op on a safe input: x_safe = torch.where(mask, x, 1.0), then "
+        "torch.where(mask, x_safe.log(), 0)."
+    ),
+}
+
+
+def _loss_suspects(loss_ops: list[str], replayed: bool = True) -> str:
     """The loss code's ops that can turn finite values into NaN/Inf, as a sentence ("" for none)."""
     if not loss_ops:
         return ""
@@ -394,9 +419,7 @@ def _loss_suspects(loss_ops: list[str]) -> str:
     listed = ", ".join(f"{n} ({c} calls)" if c > 1 else n for n, c in counts.items())
     return (
         f" The loss code between the model's output and the loss runs {listed}: ops that turn finite "
-        "values into NaN/Inf at the edge of their domain. Which of them did cannot be told after the "
-        "backward (it frees the values they saw); if it recurs in the next (escalated) steps, the op "
-        "is named with its line."
+        "values into NaN/Inf at the edge of their domain." + _UNNAMED_SUSPECT[replayed]
     )
 
 
@@ -432,7 +455,7 @@ def _loss_code_finding(step: int, result: ReplayResult, how: str, data: dict[str
     what = (
         f"The model's forward pass was finite at step {step}, but the gradient arriving at its output "
         "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
-        "the model (seen in " + how + ")." + _loss_suspects(result.loss_ops)
+        "the model (seen in " + how + ")." + _loss_suspects(result.loss_ops, result.replayed)
     )
     explanation = Explanation(what=what, fix=_loss_code_fix(result.loss_ops))
     return Finding(kind="nan_origin", step=step, severity="error", explanation=explanation, data=data)

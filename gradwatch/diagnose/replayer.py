@@ -58,6 +58,8 @@ class Replayer:
         loc = self.window.resolve_live()
         if loc is not None:
             result = self._live_result(loc)
+            if result.loss_born:
+                result.loss_ops = loss_ops(self.capture.calls)
             if result.named or result.loss_born:
                 return result
         self.collective = None
