@@ -620,6 +620,7 @@ class ClipRatio:
         self.how = how if how is not None and (self.clip_val is not None or how == "module") else None
         # One dict for the run: the checks read it, nothing is built per step.
         self.facts = {"lightning": True, "how": self.how, "clip_val": self.clip_val, "manual": manual}
+        self.module_code = {"lightning": True, "how": "module_code", "clip_val": None, "manual": manual}
         self._multi = False
 
     def attach(self, engine: Engine) -> None:
@@ -627,6 +628,11 @@ class ClipRatio:
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
+        found = stats.extra.get("clipping")
+        if isinstance(found, dict) and found.get("how") == "loop":
+            # The module's own code clipped before the check (gradwatch.observe.preclip measured before it).
+            stats.extra["clipping"] = self.module_code
+            return
         stats.extra["clipping"] = self.facts
         if self.how != "norm" or self.clip_val is None or not stats.names or not math.isfinite(stats.total_norm):
             return

@@ -40,6 +40,20 @@ def _by_the_loop(clip: Any, ratio: float | None, this_step: bool) -> str | None:
     return None
 
 
+def _by_the_module_code(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    # a LightningModule whose own code clipped before gradwatch's check (self.clip_gradients in manual
+    # optimization, clip_grad_norm_ in on_after_backward), measured before it by gradwatch.observe.preclip
+    if not this_step:
+        return "the LightningModule's own code clips the gradients between backward and the optimizer step"
+    if ratio is not None and ratio < 1.0:
+        return (
+            f"the LightningModule's own code (self.clip_gradients, or clip_grad_norm_ in training_step or "
+            f"on_after_backward) scaled this step's gradient down {1 / ratio:.3g}x between backward and the "
+            "optimizer step (gradwatch measures before clipping)"
+        )
+    return None
+
+
 def _by_the_module(clip: Any, ratio: float | None, this_step: bool) -> str | None:
     return (
         "the LightningModule's configure_gradient_clipping clips the gradients after gradwatch's check "
@@ -54,6 +68,7 @@ _IN_PLACE: dict[str, Callable[[Any, float | None, bool], str | None]] = {
     "value": _by_value,
     "loop": _by_the_loop,
     "module": _by_the_module,
+    "module_code": _by_the_module_code,
 }
 
 

@@ -13,10 +13,11 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.observe.amp import AmpMonitor
 
     exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
-    if integration == "plain":  # Lightning checks before its clipping already
-        from gradwatch.observe.preclip import BackwardNorms
+    from gradwatch.observe.preclip import BackwardNorms
 
-        exts.append(BackwardNorms())  # before ZeroGradTracker: it reads the norms of a cleared step
+    # Lightning too: Trainer(gradient_clip_val=...) clips after the check, but a LightningModule's own code
+    # may clip before it (self.clip_gradients in manual optimization, clip_grad_norm_ in on_after_backward).
+    exts.append(BackwardNorms())  # before ZeroGradTracker: it reads the norms of a cleared step
     from gradwatch.observe.zero_grad import ZeroGradTracker
 
     exts.append(ZeroGradTracker(integration=integration))

@@ -1,4 +1,4 @@
-"""Observe (plain loops): the gradient norms backward produced, before the loop clips them.
+"""Observe: the gradient norms backward produced, before the loop clips them.
 
 A plain loop is checked inside ``optimizer.step()``, after whatever the loop did to the gradients since
 ``backward()``: ``clip_grad_norm_``, ``clip_grad_value_``, ``scaler.unscale_``. Checked there, a loss weighted
@@ -14,6 +14,10 @@ by (the clip coefficient of ``clip_grad_norm_``; a GradScaler's unscaling is tak
 would apply still decides: that gradient cleared or non-finite now (``clip_grad_norm_`` spreads a NaN to
 every gradient) has the step measured again as it is. A loop that wrote into some gradients only (a mask, a
 NaN) or replaced them has its step measured as it is, as before.
+
+In Lightning the check runs in ``on_before_optimizer_step``, before ``Trainer(gradient_clip_val=...)`` clips,
+but after what the LightningModule's own code did since backward: ``self.clip_gradients`` in manual
+optimization, ``clip_grad_norm_`` in ``on_after_backward``. The same norms from the end of backward serve there.
 
 A loop that accumulates gradients over several backward passes without changing them before the step would
 pay one fused norm per pass: the first such step turns the hooks off for the rest of the run. In a distributed
@@ -65,7 +69,7 @@ class _Taken:
 
 
 class BackwardNorms:
-    """Engine extension (plain loops): see the module docstring."""
+    """Engine extension (plain loops and Lightning): see the module docstring."""
 
     def __init__(self) -> None:
         self.engine: Any = None
