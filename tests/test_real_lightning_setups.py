@@ -167,3 +167,82 @@ def test_trainer_gradient_clip_val_is_still_named_as_lightnings_clipping() -> No
     exploding = [f for f in cb.findings if f.kind == "exploding_grad"]
     assert [f.step for f in exploding] == [12], show(cb.findings)
     assert "Lightning's gradient clipping (gradient_clip_val=1)" in exploding[0].message
+
+
+# == clipping before the GradScaler unscales (16-mixed with a scaler) ==============================
+class AmpClipping:
+    """Clips to norm 1 under fp16 AMP with a GradScaler: in manual optimization's ``training_step``
+    (``where="training_step"``, the Lightning docs' recipe, https://github.com/Lightning-AI/pytorch-lightning/issues/18089),
+    in ``on_after_backward`` (automatic optimization), or in ``on_before_optimizer_step`` (after unscaling)."""
+
+    def __init__(self, where: str = "training_step") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = where == "on_after_backward"
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.where = where
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.mse_loss(self.net(x).float(), y)
+        if self.automatic_optimization and self.where == "on_after_backward":
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.where == "training_step":
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        return None
+
+    def on_after_backward(self) -> None:
+        if self.where == "on_after_backward":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=1.0)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.where == "on_before_optimizer_step":
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:
+        return loader()
+
+
+def _fp16_fit(ns: Any, where: str) -> tuple[GradWatchCallback, float]:
+    """A short fp16 fit on CPU (a real GradScaler) and how far the first layer's weight moved."""
+    cb = callback()
+    module = build(ns, AmpClipping, where=where)
+    before = module.net[0].weight.detach().clone()
+    plugin = ns.plugins.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer(ns, [cb], max_steps=12, plugins=[plugin]).fit(module)
+    return cb, float((module.net[0].weight.detach() - before).norm())
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_manual_clip_gradients_before_opt_step_under_a_grad_scaler_is_clip_before_unscale(namespace: str) -> None:
+    ns = pytest.importorskip(namespace)
+    cb, moved = _fp16_fit(ns, "training_step")
+    assert moved < 1e-3  # the weights barely move: each update is ~scale times too small
+    found = [f for f in cb.findings if f.kind == "clip_before_unscale"]
+    assert len(found) == 1, show(cb.findings)
+    assert "self.clip_gradients" in found[0].message
+    assert "def on_before_optimizer_step(self, optimizer)" in found[0].fix
+    assert "scaler.unscale_" not in found[0].fix  # Lightning unscales itself; a second unscale_ raises
+
+
+def test_clip_in_on_after_backward_under_a_grad_scaler_is_clip_before_unscale() -> None:
+    ns = pytest.importorskip("lightning.pytorch")
+    cb, _ = _fp16_fit(ns, "on_after_backward")
+    found = [f for f in cb.findings if f.kind == "clip_before_unscale"]
+    assert len(found) == 1, show(cb.findings)
+    assert "on_after_backward" in found[0].message and "Trainer(gradient_clip_val=" in found[0].fix
+
+
+def test_manual_clip_gradients_in_on_before_optimizer_step_under_a_grad_scaler_is_silent() -> None:
+    # The fix: Lightning has unscaled by then. (The GradScaler's early dropped steps are amp_overflow infos.)
+    ns = pytest.importorskip("lightning.pytorch")
+    cb, moved = _fp16_fit(ns, "on_before_optimizer_step")
+    assert moved > 0.05
+    assert problems(cb.findings) == [], show(cb.findings)

@@ -1,4 +1,4 @@
-"""``clip_before_unscale``: gradients clipped while a GradScaler still had them scaled (plain loops, fp16 AMP).
+"""``clip_before_unscale``: gradients clipped while a GradScaler still had them scaled (fp16 AMP).
 
 ``scaler.scale(loss).backward()`` leaves the gradients multiplied by the scale (65536 at first).
 ``clip_grad_norm_`` called before ``scaler.unscale_(optimizer)`` measures those scaled gradients: it clips
@@ -10,6 +10,11 @@ known, from the scaler's unscale stage or, for a fused optimizer that unscales i
 the scaler hands it): the gradient that reaches the update has a norm below :data:`TINY` while that norm times the scale is
 a usual ``max_norm`` (:data:`MAX_NORM_RANGE`). Clipping after unscaling leaves a norm of ``max_norm`` itself,
 thousands of times larger. Reported once per run.
+
+In Lightning the same happens when the LightningModule's own code clips before the GradScaler unscales
+(inside the optimizer step): ``self.clip_gradients`` in manual optimization's ``training_step``, the documented
+recipe (Lightning issue #18089), or ``clip_grad_norm_`` in ``on_after_backward``. The fix then names the hook
+that runs after unscaling.
 """
 
 from __future__ import annotations
@@ -67,23 +72,57 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             kind=_KEY,
             step=stats.step,
             severity="warning",
-            explanation=clip_explanation(stats.step, clip),
+            explanation=clip_explanation(stats.step, clip, loop_of(stats)),
             data={"scale": clip.scale, "clip_ratio": clip.ratio, "update_grad_norm": clip.norm,
                   "max_norm": clip.max_norm, "optimizer": stats.optimizer_index},
         )
     ]
 
 
-def clip_explanation(step: int, clip: ScaledClip) -> Explanation:
+def loop_of(stats: StepStats) -> str:
+    """Whose code clipped: a plain loop, or a LightningModule's in manual or automatic optimization
+    (``stats.extra["clipping"]``, see ``gradwatch.lightning.ClipRatio``)."""
+    facts = stats.extra.get("clipping")
+    if not isinstance(facts, dict) or not facts.get("lightning"):
+        return "plain"
+    return "lightning_manual" if facts.get("manual") else "lightning_automatic"
+
+
+#: Loop -> (what clipped, the fix). Lightning unscales inside the optimizer step, right before the
+#: ``on_before_optimizer_step`` hooks: a clip in ``training_step`` or ``on_after_backward`` comes before it
+#: (in manual optimization even the documented ``self.clip_gradients`` does, Lightning issue #18089).
+_WORDS: dict[str, tuple[str, str]] = {
+    "plain": (
+        "clip_grad_norm_",
+        "unscale before clipping: scaler.scale(loss).backward(); scaler.unscale_(optimizer); "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); scaler.step(optimizer); scaler.update().",
+    ),
+    "lightning_manual": (
+        "the LightningModule's clip (self.clip_gradients or clip_grad_norm_ before opt.step())",
+        "clip where Lightning has unscaled: in manual optimization the GradScaler unscales inside opt.step(), "
+        "right before the on_before_optimizer_step hook, so move the clipping out of training_step into "
+        "def on_before_optimizer_step(self, optimizer): self.clip_gradients(optimizer, gradient_clip_val=..., "
+        "gradient_clip_algorithm='norm').",
+    ),
+    "lightning_automatic": (
+        "the LightningModule's clip (clip_grad_norm_ in on_after_backward or training_step)",
+        "let Lightning clip after it unscales: Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'), "
+        "or clip in the LightningModule's on_before_optimizer_step or configure_gradient_clipping, which run "
+        "after the GradScaler unscaled; not in on_after_backward or training_step.",
+    ),
+}
+
+
+def clip_explanation(step: int, clip: ScaledClip, loop: str = "plain") -> Explanation:
+    clipper, fix = _WORDS[loop]
     return Explanation(
         what=f"At step {step} the gradients were clipped while the GradScaler still had them multiplied by its "
-        f"scale ({clip.scale:g}): clip_grad_norm_ cut them {1 / clip.ratio:.3g}x to a norm of about "
+        f"scale ({clip.scale:g}): {clipper} cut them {1 / clip.ratio:.3g}x to a norm of about "
         f"{clip.max_norm:.3g} in scaled units, so the update applies a gradient of norm {clip.norm:.3g}, "
         f"{clip.scale:g}x smaller than the max_norm you set.",
         why="every step is clipped and shrunk by the scale: the weights barely move and training stalls, with no "
         "error and no NaN to show it.",
-        fix="unscale before clipping: scaler.scale(loss).backward(); scaler.unscale_(optimizer); "
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); scaler.step(optimizer); scaler.update().",
+        fix=fix,
     )
 
 
