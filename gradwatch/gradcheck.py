@@ -356,8 +356,12 @@ def _check_call(call: FunctionCall) -> list[InputCheck] | str:
     if isinstance(measured, str):
         return measured
     checks, outs = measured
-    if not all(c.ok for c in checks) and _passes_input_through(outs, args):
-        return SKIP_REASONS["identity"]  # a ReLU fed positive values passes too, and is checked when right
+    wrong = {c.index for c in checks if not c.ok}
+    if wrong and wrong <= _passed_through(outs, args):
+        # A gradient modifier: only the passed-through input's gradient differs. A ReLU fed positive values
+        # passes too, and is checked when right; a wrong gradient of another input (a weight at its init of
+        # ones, so that x * w == x) is still a wrong backward.
+        return SKIP_REASONS["identity"]
     return checks
 
 
@@ -421,11 +425,13 @@ def _output_reason(outs: list[Any]) -> str | None:
     return None
 
 
-def _passes_input_through(outs: list[Any], args: tuple[Any, ...]) -> bool:
-    """Whether every differentiable output equals an input (gradient reversal's ``x.view_as(x)``)."""
+def _passed_through(outs: list[Any], args: tuple[Any, ...]) -> set[int]:
+    """The indices of the inputs the Function passes through when every differentiable output equals an input
+    (gradient reversal's ``x.view_as(x)``); empty when some output is computed."""
     diff = [o.detach() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    return all(any(a.shape == o.shape and torch.equal(a, o) for a in inputs) for o in diff)
+    inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    equal = [{i for i, a in inputs if a.shape == o.shape and torch.equal(a, o)} for o in diff]
+    return set().union(*equal) if equal and all(equal) else set()
 
 
 class _Probe:

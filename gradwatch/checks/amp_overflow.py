@@ -95,8 +95,10 @@ def _persistent_finding(stats: StepStats, amp: dict[str, Any], data: dict[str, A
         step=stats.step,
         severity="warning",
         explanation=Explanation(
-            what=f"The gradient scaler keeps skipping updates: {amp.get('consecutive')} overflow steps in a "
-            f"row up to step {stats.step}, loss scale now {_fmt(amp.get('new_scale'))}.{none_yet}{loss_hint}",
+            what=_PERSISTENT_WHAT[_persistent_cause(amp)].format(
+                n=amp.get("consecutive"), total=amp.get("total"), step=stats.step, scale=_fmt(amp.get("new_scale"))
+            )
+            + f"{none_yet}{loss_hint}",
             why="every skipped step is a lost update; when the scale keeps falling the "
             "gradients overflow fp16 even unscaled, or are NaN/Inf for another reason, and the model "
             "stops training.",
@@ -107,6 +109,25 @@ def _persistent_finding(stats: StepStats, amp: dict[str, Any], data: dict[str, A
         ),
         data=data,
     )
+
+
+#: What a persistent overflow looks like, by what showed it: the scale fell below 1 (the gradients overflow
+#: float16 even unscaled), or a long streak of overflows in a row.
+_PERSISTENT_WHAT = {
+    "floor": "The gradient scaler's loss scale fell below 1 at step {step} (now {scale}, after {total} overflow "
+    "steps so far): the gradients overflow float16 even unscaled, so lowering the scale further cannot help.",
+    "streak": "The gradient scaler keeps skipping updates: {n} overflow steps in a row up to step {step}, loss "
+    "scale now {scale}.",
+}
+
+
+#: Overflow steps in a row that are a streak whatever the scale (the monitor's PERSISTENT_STEPS).
+_LONG_STREAK = 8
+
+
+def _persistent_cause(amp: dict[str, Any]) -> str:
+    scale = amp.get("new_scale")
+    return "floor" if isinstance(scale, (int, float)) and scale < 1.0 and (amp.get("consecutive") or 0) < _LONG_STREAK else "streak"
 
 
 def _start_lower(amp: dict[str, Any]) -> str:

@@ -89,6 +89,9 @@ class AmpMonitor:
         self._consecutive = 0
         self._settled = False
         self._persistent_reported = False
+        # The scale fell below SCALE_FLOOR and that was reported: until it climbs back, further overflow
+        # streaks are that same persistent overflow (one warning, not one per streak).
+        self._floor_reported = False
         self._streak: dict[str, Any] | None = None
         self._hook: Any = None
         self._scans = 0
@@ -301,6 +304,7 @@ class AmpMonitor:
             self._consecutive = 0
             self._settled = True
             self._persistent_reported = False
+            self._floor_reported = self._floor_reported and scale < SCALE_FLOOR
         scalars = stats.extra.setdefault("scalars", {})
         scalars["gradwatch/amp/scale"] = scale
         scalars["gradwatch/amp/overflow_steps"] = float(self.overflow_steps)
@@ -476,13 +480,16 @@ class AmpMonitor:
         if streak is None:
             return
         persistent = False
-        if not self._persistent_reported and (
+        if not self._persistent_reported and not self._floor_reported and (
             streak["new_scale"] < SCALE_FLOOR
             or self._consecutive >= (PERSISTENT_STEPS if self._settled else UNSETTLED_STEPS)
             or more.get("grads_never_cleared")  # the overflow can never end: conclusive at once
         ):
             persistent = self._persistent_reported = True
+            self._floor_reported = streak["new_scale"] < SCALE_FLOOR
         if done is None and not persistent:
+            return
+        if done is not None and not persistent and _same_persistent_overflow(done, self._floor_reported):
             return
         stats.extra["amp"] = {
             "overflow_steps": done["n"] if done else 0,
@@ -584,6 +591,15 @@ class AmpMonitor:
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
             engine.add_finding(f)
+
+
+def _same_persistent_overflow(done: dict[str, Any], floor_reported: bool) -> bool:
+    """A short streak that ended while the scale stays below SCALE_FLOOR after that was reported: part of the
+    persistent overflow already warned about, not a scaler finding its scale (no info finding of its own; a
+    streak long enough to drop most of the run is still reported)."""
+    from gradwatch.checks.amp_overflow import MANY
+
+    return floor_reported and done["new_scale"] < SCALE_FLOOR and done["n"] < MANY
 
 
 def _scaling_state(scaler: Any, opt: Any, integration: str) -> tuple[Any, Any, bool]:
