@@ -112,6 +112,9 @@ class InputCheck:
     returned_none: bool
     ok: bool
     flat: int = 0  # positions where the forward is exactly flat and the backward is not: surrogate, not compared
+    #: The shape of the gradient backward returned, when autograd cannot sum it to the input's (``shape``).
+    returned_shape: tuple[int, ...] | None = None
+    shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -357,7 +360,8 @@ def _check_call(call: FunctionCall) -> list[InputCheck] | str:
         return measured
     checks, outs = measured
     wrong = {c.index for c in checks if not c.ok}
-    if wrong and wrong <= _passed_through(outs, args):
+    misshapen = any(c.returned_shape is not None for c in checks)
+    if wrong and not misshapen and wrong <= _passed_through(outs, args):
         # A gradient modifier: only the passed-through input's gradient differs. A ReLU fed positive values
         # passes too, and is checked when right; a wrong gradient of another input (a weight at its init of
         # ones, so that x * w == x) is still a wrong backward.
@@ -390,12 +394,66 @@ def _measure(
     gen = torch.Generator().manual_seed(0)
     v = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in diff]
     try:
-        grads = torch.autograd.grad(diff, leaves, v, allow_unused=True)
+        grads: Any = torch.autograd.grad(diff, leaves, v, allow_unused=True)
     except Exception as exc:  # noqa: BLE001
-        return SKIP_REASONS["backward_failed"].format(error=_short(exc))
+        # A gradient of a shape autograd cannot sum to its input's ("invalid gradient at index 1 - got [4] but
+        # expected shape compatible with [8]") is a wrong backward, not a reason to skip: ask backward itself.
+        grads = _returned_grads(cls, args, kwargs, wrt, v)
+        if grads is None or not any(_misshapen(args[i], g) for i, g in zip(wrt, grads)):
+            return SKIP_REASONS["backward_failed"].format(error=_short(exc))
     probe = _Probe(cls, args, kwargs, [i for i, o in enumerate(outs) if any(o is d for d in diff)], v)
     names = _input_names(cls, len(args))
-    return [_check_input(probe, i, names[i], g, gen) for i, g in zip(wrt, grads)], outs
+    return [_check_returned(probe, i, names[i], g, gen) for i, g in zip(wrt, grads)], outs
+
+
+def _returned_grads(
+    cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrt: list[int], v: list[Any]
+) -> list[Any] | None:
+    """What the Function's backward returns for each input in ``wrt``, as it returns it: its node called
+    directly on a fresh forward (the same random numbers), without autograd's checks of the result. None when
+    that cannot be done."""
+    try:
+        with _seeded():
+            _leaves, outs = _analytic_forward(cls, args, kwargs, wrt)
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        node = diff[0].grad_fn
+        if getattr(node, "_forward_cls", None) is not cls:
+            return None
+        given = iter(v)
+        grad_outputs = [
+            next(given) if any(o is d for d in diff) else torch.zeros_like(o) if isinstance(o, torch.Tensor) else None
+            for o in outs
+        ]
+        with torch.no_grad(), _seeded():
+            returned = node.apply(*grad_outputs)
+    except Exception:  # noqa: BLE001 - the user's Function: then it is skipped, as before
+        return None
+    returned = tuple(returned) if isinstance(returned, (tuple, list)) else (returned,)
+    return [returned[i] if i < len(returned) else None for i in wrt]
+
+
+def _sums_to(shape: tuple[int, ...], grad_shape: tuple[int, ...]) -> bool:
+    """Whether autograd takes a gradient of ``grad_shape`` for an input of ``shape``: the same shape, or one
+    the input broadcasts to (it sums the gradient back over the broadcast dimensions)."""
+    if len(shape) > len(grad_shape):
+        return False
+    return all(s in (g, 1) for s, g in zip(reversed(shape), reversed(grad_shape)))
+
+
+def _misshapen(x: Any, grad: Any) -> bool:
+    return isinstance(grad, torch.Tensor) and not _sums_to(tuple(x.shape), tuple(grad.shape))
+
+
+def _check_returned(probe: _Probe, i: int, name: str, grad: Any, gen: torch.Generator) -> InputCheck:
+    """:func:`_check_input`, or the facts of a gradient whose shape autograd rejects."""
+    x = probe.args[i]
+    if _misshapen(x, grad):
+        nan = math.nan
+        return InputCheck(i, name, 0, nan, nan, nan, nan, returned_none=False, ok=False,
+                          returned_shape=tuple(grad.shape), shape=tuple(x.shape))
+    if isinstance(grad, torch.Tensor) and (grad.shape != x.shape or grad.dtype != x.dtype):
+        grad = grad.sum_to_size(x.shape).to(x.dtype)  # what autograd does with it
+    return _check_input(probe, i, name, grad, gen)
 
 
 def _analytic_forward(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrt: list[int]) -> tuple[Any, Any]:
@@ -576,6 +634,7 @@ def _short(exc: BaseException) -> str:
 # -- words --------------------------------------------------------------------------------------------
 def _finding(call: FunctionCall, checks: list[InputCheck], step: int) -> Finding:
     wrong = [c for c in checks if not c.ok]
+    cause = "shape" if all(c.returned_shape is not None for c in wrong) else "values"
     name = call.name
     inputs = ", ".join(f"`{c.name}` (argument {c.index})" for c in wrong)
     facts = " ".join(_input_facts(c) for c in wrong)
@@ -584,18 +643,8 @@ def _finding(call: FunctionCall, checks: list[InputCheck], step: int) -> Finding
     more = f" (it ran {call.calls} times from this line; the first call was checked)" if call.calls > 1 else ""
     explanation = Explanation(
         # The facts, and why a wrong backward matters, follow the first line unlabelled.
-        what=(
-            f"{name}.backward returns a wrong gradient for {inputs}: it disagrees with finite differences of "
-            f"{name}.forward on the inputs it received{where}{more}.{line}\n{facts} A wrong backward raises "
-            "nothing and makes no NaN: the optimizer follows a wrong gradient, and the model learns worse or not "
-            "at all."
-        ),
-        fix=(
-            f"derive {name}.backward again from forward: it returns, for each forward input in order, "
-            "grad_output times the derivative of the output with respect to that input (for x ** 3: "
-            "grad_output * 3 * x ** 2), and None only for inputs that need no gradient. Check it again with "
-            "gradwatch.gradcheck(model, batch)."
-        ),
+        what=f"{name}.backward {_WRONG[cause]} {inputs}{where}{more}.{line}\n{facts} {_WHY[cause]}",
+        fix=_FIX[cause].format(name=name),
     )
     return Finding(
         kind=KIND,
@@ -610,12 +659,51 @@ def _finding(call: FunctionCall, checks: list[InputCheck], step: int) -> Finding
             "code": call.code,
             "calls": call.calls,
             "wrong_inputs": [c.name for c in wrong],
+            "wrong_shapes": [
+                {"input": c.name, "index": c.index, "expected": list(c.shape), "returned": list(c.returned_shape)}
+                for c in wrong
+                if c.returned_shape is not None
+            ],
             "table": [_row(c) for c in checks],
         },
     )
 
 
+#: The words of a wrong backward, by cause: wrong values (checked against finite differences of forward) or,
+#: for every wrong input, a gradient of a shape autograd rejects.
+_WRONG = {
+    "values": "returns a wrong gradient for",
+    "shape": "returns a gradient of the wrong shape for",
+}
+_WHY = {
+    "values": (
+        "A wrong backward raises nothing and makes no NaN: the optimizer follows a wrong gradient, and the model "
+        "learns worse or not at all."
+    ),
+    "shape": "Training stops at the first backward through it with that error.",
+}
+_FIX = {
+    "values": (
+        "derive {name}.backward again from forward: it returns, for each forward input in order, grad_output "
+        "times the derivative of the output with respect to that input (for x ** 3: grad_output * 3 * x ** 2), "
+        "and None only for inputs that need no gradient. Check it again with gradwatch.gradcheck(model, batch)."
+    ),
+    "shape": (
+        "make {name}.backward return, for each forward input in order, a gradient of that input's shape: sum it "
+        "over the dimensions forward broadcast the input along (grad_output * x summed over the batch for a "
+        "per-feature weight: (grad_output * x).sum(0)), and do not slice, reshape or transpose it to another "
+        "shape. Check it again with gradwatch.gradcheck(model, batch)."
+    ),
+}
+
+
 def _input_facts(c: InputCheck) -> str:
+    if c.returned_shape is not None:
+        return (
+            f"For `{c.name}` (argument {c.index}, shape {list(c.shape)}) it returns a gradient of shape "
+            f"{list(c.returned_shape)}, which autograd cannot sum to {list(c.shape)}: it raises \"invalid "
+            f"gradient ... got {list(c.returned_shape)} but expected shape compatible with {list(c.shape)}\"."
+        )
     if c.returned_none:
         return (
             f"For `{c.name}` it returns None (a zero gradient) where the forward's derivative is "
@@ -629,6 +717,10 @@ def _input_facts(c: InputCheck) -> str:
 
 
 def _row(c: InputCheck) -> dict[str, Any]:
+    if c.returned_shape is not None:  # nothing compared: the shape alone is wrong
+        shape = f"NO: shape {list(c.returned_shape)}, not {list(c.shape)}"
+        return {"input": c.name, "ok": shape, "positions": 0, "max_abs_err": None, "max_rel_err": None,
+                "backward": None, "numerical": None}
     return {
         "input": c.name,
         "ok": "yes" if c.ok else "NO",

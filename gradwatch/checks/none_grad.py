@@ -114,6 +114,14 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
     never = _never(stats, history)
     fresh = _fresh(stats, history, never)
     waiting: dict[str, int] = dict(history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {}))
+    # Reached only through a custom autograd Function: the next backward tells whether its backward returned
+    # None for them (reported then) or the training code dropped their gradient (never reported).
+    watched = stats.extra.get("grad_blocked_pending") or _EMPTY
+    held = {n: waiting.setdefault(n, stats.step) for n in fresh if n in watched}
+    # Those it did return None for get no grace: no routing or DDP schedule will give them a gradient.
+    blocked = stats.extra.get("grad_blocked") or {}
+    sure = [n for n in fresh if n in blocked]
+    fresh = [n for n in fresh if n not in held and n not in blocked]
     member_of = stats.extra.get("member_of")
     every = max(1, config.every)
     if fresh and stats.extra.get("unused_expected"):
@@ -121,12 +129,13 @@ def _report_now(stats: StepStats, history: History, config: Config) -> tuple[tup
         # MEMBER_GRACE checked steps to get a gradient before it is reported.
         now = [n for n in fresh if stats.step - waiting.setdefault(n, stats.step) >= MEMBER_GRACE * every]
     elif not fresh or not callable(member_of):
-        return tuple(fresh), {}
+        return (*sure, *fresh), held
     else:
         # Members of a ModuleList/ModuleDict whose siblings got gradients this step: used on some steps only?
         containers = _containers(stats, member_of)
         none = frozenset(stats.none_grad)
         now = [n for n in fresh if not _in_grace(n, member_of(n), containers, none, waiting, stats.step, every)]
+    now = sure + now
     return tuple(now), {n: s for n, s in waiting.items() if n in never and n not in now}
 
 
@@ -148,12 +157,20 @@ class NoneGradFacts:
     idle_parts: str
     #: Per reentrant checkpoint fed an input without grad, the reported parameters inside it.
     cut: dict[str, list[str]]
+    #: The custom autograd Function whose backward returned None for them: (its node's class name, its
+    #: qualified name); the step's graph reaches them only through it. None for other parameters.
+    gate: tuple[str, str] | None = None
+    #: Their modules.
+    modules: tuple[str, ...] = ()
 
 
-def none_grad_facts(stats: StepStats, history: History, fresh: tuple[str, ...]) -> NoneGradFacts:
+def none_grad_facts(
+    stats: StepStats, history: History, fresh: tuple[str, ...], gate: tuple[str, str] | None = None
+) -> NoneGradFacts:
     waited = history.reported.get(f"none_grad_waiting/{stats.optimizer_index}", {})
     # Inside a reentrant checkpoint fed an input without grad (a frozen embedding before LoRA adapters)?
-    replay = stats.extra.get("reentrant_cut")
+    # Not asked for parameters a custom Function's backward gave None: that cause is known.
+    replay = stats.extra.get("reentrant_cut") if gate is None else None
     cut = {m: [n for n in names if n in fresh] for m, names in (replay() if callable(replay) else {}).items()}
     return NoneGradFacts(
         step=stats.step,
@@ -164,14 +181,23 @@ def none_grad_facts(stats: StepStats, history: History, fresh: tuple[str, ...]) 
         with_optimizer=stats.extra.get("optimizer") is not None,
         unused_expected=bool(stats.extra.get("unused_expected")),
         cleared=bool(stats.extra.get("cleared_between_backwards")),
-        idle_parts=_idle_in_every_member(fresh, stats),
+        idle_parts=_idle_in_every_member(fresh, stats) if gate is None else "",
         cut={m: names for m, names in cut.items() if names},
+        gate=gate,
+        modules=_modules(fresh),
     )
 
 
+def _modules(params: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in params}))
+
+
 def none_grad_cause(f: NoneGradFacts) -> str:
-    """The likely cause to name, if any: a reentrant checkpoint cut the graph, zero_grad() between the
-    step's backward passes, a part no member's forward calls; or ``none``."""
+    """The cause to name, if any: a custom Function's backward returned None for them, a reentrant
+    checkpoint cut the graph, zero_grad() between the step's backward passes, a part no member's forward
+    calls; or ``none``."""
+    if f.gate is not None:
+        return "custom_function"
     if f.cut:
         return "reentrant"
     if f.cleared:
@@ -198,7 +224,39 @@ _CAUSE_WORDS: dict[str, Callable[[NoneGradFacts], str]] = {
 }
 
 
+def _function_explanation(f: NoneGradFacts) -> Explanation:
+    """Words for parameters a custom autograd Function's backward returned None for."""
+    assert f.gate is not None
+    node, qualified = f.gate
+    fn = qualified.rsplit(".", 1)[-1]
+    when = f"at step {f.step}" if f.since is None else f"at every checked step from step {f.since} to step {f.step}"
+    whose = f"in optimizer {f.optimizer}" if f.with_optimizer else "of the model"
+    where = f" (module {', '.join(f.modules)})" if f.modules else ""
+    updater = "the optimizer never updates them" if f.with_optimizer else "the update (by hand) never changes them"
+    return Explanation(
+        what=(
+            f"{len(f.params)} trainable parameter(s) {whose} got no gradient {when}: {names_text(f.params)}"
+            f"{where}. The step's graph reaches them only through the custom autograd Function {fn} (node "
+            f"{node}, {qualified}), and {fn}.backward returned None for them at every backward."
+        ),
+        why=(
+            f"{updater} (their .grad is None), though they require grad. backward returns one gradient per "
+            "input of forward, in order; None tells autograd that this input gets no gradient, so nothing reaches "
+            "them. No error, no NaN: the layer simply stays at its initial weights."
+        ),
+        fix=(
+            f"return their gradient from {fn}.backward: grad_output times the derivative of the output with "
+            "respect to each of them (for x @ w.t(): grad_output.t() @ x), None only for inputs with "
+            "ctx.needs_input_grad False. Check it with gradwatch.gradcheck(model, batch). If no gradient is meant, "
+            f"freeze them with requires_grad_(False) or leave them out of "
+            f"{'the optimizer' if f.with_optimizer else 'the update'}."
+        ),
+    )
+
+
 def none_grad_explanation(f: NoneGradFacts) -> Explanation:
+    if f.gate is not None:
+        return _function_explanation(f)
     if f.since is None:
         when = f"at step {f.step}"
     else:
@@ -240,26 +298,34 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     stats.extra["none_grad_report"] = (fresh, waiting)
     if not fresh:
         return []
-    f = none_grad_facts(stats, history, fresh)
-    modules = sorted({n.rsplit(".", 1)[0] if "." in n else "<root>" for n in fresh})
-    return [
-        Finding(
-            kind="none_grad",
-            step=stats.step,
-            severity="warning",
-            explanation=none_grad_explanation(f),
-            params=fresh,
-            module=modules[0] if len(modules) == 1 else None,
-            data={
-                "modules": modules,
-                "count": len(fresh),
-                "none_grad_now": len(stats.none_grad),
-                "optimizer": stats.optimizer_index,
-                "cleared_between_backwards": f.cleared,
-                "reentrant_checkpoint": f.cut,
-            },
-        )
-    ]
+    # One finding for the parameters a custom Function's backward returned None for, per Function; one
+    # for the others.
+    blocked = stats.extra.get("grad_blocked") or {}
+    groups: dict[tuple[str, str] | None, list[str]] = {}
+    for n in fresh:
+        groups.setdefault(tuple(blocked[n]) if n in blocked else None, []).append(n)  # type: ignore[arg-type]
+    return [_finding(stats, none_grad_facts(stats, history, tuple(ps), gate)) for gate, ps in groups.items()]
+
+
+def _finding(stats: StepStats, f: NoneGradFacts) -> Finding:
+    return Finding(
+        kind="none_grad",
+        step=stats.step,
+        severity="warning",
+        explanation=none_grad_explanation(f),
+        params=f.params,
+        module=f.modules[0] if len(f.modules) == 1 else None,
+        op=f.gate[0] if f.gate is not None else None,
+        data={
+            "modules": list(f.modules),
+            "count": len(f.params),
+            "none_grad_now": len(stats.none_grad),
+            "optimizer": stats.optimizer_index,
+            "cleared_between_backwards": f.cleared,
+            "reentrant_checkpoint": f.cut,
+            "custom_function": f.gate[1] if f.gate is not None else None,
+        },
+    )
 
 
 def remember(stats: StepStats, history: History) -> None:

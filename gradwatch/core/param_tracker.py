@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradwatch.core.failures import internal_warning
+from gradwatch.core.grad_gates import FunctionGates, Gate
 from gradwatch.core.params import OptimizerParams, ParamIndex
 from gradwatch.core.stats import StepStats
 from gradwatch.core.weak import weak_method
@@ -51,6 +52,7 @@ class ParamTracker:
         self.unregistered_seen: list[tuple[str, torch.Tensor, str, torch.Tensor, int]] = []
         self.forward_scans = 0  # the first two checked steps look for layers built inside forward()
         self._reached: dict[int, bool] = {}  # id(param) -> the graph of the step it lacked a gradient reached it
+        self.gates = FunctionGates()  # reached only through a custom Function: returned None, or dropped?
         self._forward_params: list[tuple[weakref.ref[torch.Tensor], tuple[int, ...]]] = []
         self.hooks: list[Any] = []
 
@@ -71,6 +73,7 @@ class ParamTracker:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        self.gates.close()
 
     def _on_param_registered(self, module: nn.Module, name: str, param: Any) -> None:
         if id(module) in self.index.module_name:
@@ -108,11 +111,18 @@ class ParamTracker:
             extra["unregistered"] = self.unregistered(first or changed, find)
         elif self.forward_scans < 2:
             extra["unregistered"] = self.built_in_forward(find)
+        if self.gates.watching:
+            self.gates.settle()  # the backward passes since the previous check have been seen
         if none:
             extra["member_of"] = self.index.member_of  # none_grad: experts, LayerDrop layers, task heads
             dropped = self.grads_dropped(op, none, find)
             if dropped:
                 extra["grad_dropped"] = dropped
+            blocked, pending = self.grads_blocked(op, none)
+            if blocked:
+                extra["grad_blocked"] = blocked
+            if pending:
+                extra["grad_blocked_pending"] = pending
 
     def unheld_with_grads(self) -> tuple[str, ...]:
         """Trainable model parameters no watched optimizer holds that the backward reached. Those it did not
@@ -166,16 +176,41 @@ class ParamTracker:
     def grads_dropped(self, op: OptimizerParams, none: list[str], find: FindExtension) -> frozenset[str]:
         """Of ``none`` (trainable, no gradient at the step), those the step's graph reached: backward gave them
         a gradient that the training code then set to None on purpose (DINO's cancel_gradients_last_layer
-        in its first epoch). A walk of the step's graph for parameters not asked about before; cached."""
+        in its first epoch). A walk of the step's graph for parameters not asked about before; cached.
+        Those it reaches only through a custom autograd Function go to ``gates``, which tells at the next
+        backward whether the Function's backward returned None for them or the gradient was dropped."""
         known = self._reached
         by_name = dict(zip(op.names, op.params))
         ask = [by_name[n] for n in none if n in by_name and id(by_name[n]) not in known]
         if ask:
             esc = find(Escalation)
-            leaves = esc.graph_leaves(reached=True) if esc is not None else None
-            if leaves is None:
-                return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
-            reached = {id(v) for v in leaves}
-            for p in ask:
-                known[id(p)] = id(p) in reached
-        return frozenset(n for n in none if n in by_name and known.get(id(by_name[n])))
+            leaves = esc.gated_leaves() if esc is not None else None
+            if leaves is not None:
+                gate_of: dict[int, Gate | None] = {id(v): gate for v, gate in leaves}
+                for p in ask:
+                    known[id(p)] = id(p) in gate_of
+                    gate = gate_of.get(id(p))
+                    if gate is not None:
+                        self.gates.suspect(p, gate)
+        return frozenset(
+            n for n in none if n in by_name and known.get(id(by_name[n])) and not self.gates.holds(id(by_name[n]))
+        )
+
+    def grads_blocked(self, op: OptimizerParams, none: list[str]) -> tuple[dict[str, Gate], frozenset[str]]:
+        """Of ``none``: those a custom Function's backward returned None for (name -> its node), and those
+        still watched until the next backward (see :class:`gradwatch.core.grad_gates.FunctionGates`)."""
+        blocked: dict[str, Gate] = {}
+        pending: list[str] = []
+        if not self.gates.watching and not self.gates.blocked:
+            return blocked, frozenset()
+        by_name = dict(zip(op.names, op.params))
+        for n in none:
+            p = by_name.get(n)
+            if p is None or not self.gates.holds(id(p)):
+                continue
+            gate = self.gates.blocked.get(id(p))
+            if gate is None:
+                pending.append(n)
+            else:
+                blocked[n] = gate
+        return blocked, frozenset(pending)

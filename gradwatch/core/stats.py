@@ -113,6 +113,8 @@ StepExtra = TypedDict(
         "member_of": Any,  # ParamIndex.member_of: the ModuleList/ModuleDict element of a parameter (none_grad)
         "frozen_param_updated/moved": "tuple[str, ...]",  # frozen_update: the frozen parameters the step moves
         "grad_dropped": "frozenset[str]",  # parameters the graph reached whose gradient the code set to None
+        "grad_blocked": "dict[str, tuple[str, str]]",  # parameters a custom Function's backward gave None: its node
+        "grad_blocked_pending": "frozenset[str]",  # parameters reached only through a custom Function, watched
         "several_optimizers": bool,  # more than one watched optimizer
         "cleared_between_backwards": bool,  # zero_grad() ran between two backward passes of this step
         "backward_passes": "tuple[int, int]",  # (backward passes of this step, those that found grads cleared)

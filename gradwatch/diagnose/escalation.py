@@ -71,6 +71,7 @@ from torch import nn
 
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
+from gradwatch.core.grad_gates import Gate
 from gradwatch.core.params import user_module
 from gradwatch.diagnose import bad_values, graph_walk
 from gradwatch.diagnose.capture import (
@@ -468,6 +469,13 @@ class Escalation:
         if self.integration != "plain":
             return None
         return graph_walk.graph_leaves(self._calls, limit, reached=reached)
+
+    def gated_leaves(self, limit: int = 4096) -> list[tuple[torch.Tensor, Gate | None]] | None:
+        """:meth:`graph_leaves` (``reached``), each leaf with the custom autograd Function every path to it
+        passes through, or None (see ``graph_walk.gated_leaves``). None when the step's graph is not held."""
+        if self.integration != "plain":
+            return None
+        return graph_walk.gated_leaves(self._calls, limit, reached=True)
 
     def explain_no_graph(self, finding: Finding) -> Finding:
         """``no_grad_graph`` blaming frozen layers or a cut graph: when the cut is a reentrant checkpoint fed

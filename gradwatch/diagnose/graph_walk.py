@@ -1,6 +1,6 @@
 """Walks of the step's autograd graph, from the captured forward calls: the loss code's ops that can make
 NaN/Inf (:func:`loss_ops`), and the leaf tensors the model's outputs were computed from (:func:`graph_leaves`,
-:func:`unowned_params`). Incident path, first steps or suspicious ones only: no walk runs on a healthy step.
+:func:`unowned_params`, :func:`gated_leaves`). Incident path, first steps or suspicious ones only: no walk runs on a healthy step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.core.grad_gates import Gate
 from gradwatch.diagnose.capture import Call, call_tensors
 from gradwatch.diagnose.op_fixes import can_turn_nonfinite
 
@@ -89,6 +90,51 @@ def graph_leaves(calls: Sequence[Call], limit: int = 4096, *, reached: bool = Fa
         return None
     stops = {id(t.grad_fn) for t in call_tensors(calls) if t.grad_fn is not None}
     return walk_leaves(frontier, stops, limit)
+
+
+def custom_function(node: Any) -> str | None:
+    """The qualified name of the user's (or a library's) ``torch.autograd.Function`` whose backward ``node`` is,
+    or None: another node, or one of torch's own Functions (checkpoint, hooks) or gradwatch's."""
+    cls = getattr(node, "_forward_cls", None)
+    module = getattr(cls, "__module__", "") or ""
+    if cls is None or module.startswith(("torch.", "gradwatch.")):
+        return None
+    return f"{module}.{getattr(cls, '__qualname__', type(node).__name__)}"
+
+
+def gated_leaves(
+    calls: Sequence[Call], limit: int = 4096, *, reached: bool = False
+) -> list[tuple[torch.Tensor, Gate | None]] | None:
+    """The leaf tensors the calls' outputs were computed from (as :func:`graph_leaves`), each with the custom
+    autograd Function whose backward node every path to it passes through (the nearest one), or None for a
+    leaf some path reaches without passing one. Walked a layer at a time: every node reachable without
+    crossing a custom Function first, then what lies below each Function met, so a leaf reached both ways is
+    never pinned on a Function. At most ``limit`` nodes in all; None when no output node is held."""
+    frontier = output_nodes(calls, reached=reached)
+    if not frontier:
+        return None
+    stops = {id(t.grad_fn) for t in call_tensors(calls) if t.grad_fn is not None}
+    seen: set[int] = set()
+    found: dict[int, tuple[torch.Tensor, Gate | None]] = {}
+    layers: list[tuple[Gate | None, list[Any]]] = [(None, frontier)]
+    while layers and len(seen) < limit:
+        gate, stack = layers.pop(0)
+        while stack and len(seen) < limit:
+            node = stack.pop()
+            if id(node) in seen or id(node) in stops:
+                continue
+            seen.add(id(node))
+            var = getattr(node, "variable", None)
+            if var is not None:
+                found.setdefault(id(var), (var, gate))
+                continue
+            below = [nxt for nxt, _ in node.next_functions if nxt is not None]
+            function = custom_function(node)
+            if function is None:
+                stack.extend(below)
+            else:
+                layers.append(((type(node).__name__, function), below))
+    return list(found.values())
 
 
 def unowned_params(calls: Sequence[Call], known: set[int], limit: int = 4096) -> list[torch.Tensor]:
