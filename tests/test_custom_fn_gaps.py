@@ -108,6 +108,67 @@ def test_a_backward_returning_none_for_a_weight_is_none_grad_naming_the_function
     assert f.step <= 2  # confirmed at the next checked step after the one it was first seen
 
 
+def test_the_check_it_suggests_confirms_it() -> None:
+    (f,) = gradwatch.gradcheck(_net(), torch.randn(16, 4)).findings
+    assert f.kind == "bad_backward" and f.data["wrong_inputs"] == ["w"]
+
+
+def test_a_weight_fed_to_the_function_through_other_ops_is_blamed_on_it() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.enc, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+            self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight * 0.5 + 0.1  # not the leaf itself: its AccumulateGrad is two nodes below
+            return self.head(torch.tanh(NoWeightGradLinear.apply(torch.tanh(self.enc(x)), w)))
+
+    (f,) = [f for f in _train(Scaled()).findings if f.kind == "none_grad"]
+    assert f.params == ("weight",) and f.op == "NoWeightGradLinearBackward"
+
+
+def test_an_unused_weight_and_a_weight_the_function_drops_are_two_findings() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.enc, self.layer, self.unused = nn.Linear(4, 8), FnLayer(NoWeightGradLinear), nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.layer(torch.tanh(self.enc(x)))))
+
+    found = {f.params: f for f in _train(Net()).findings if f.kind == "none_grad"}
+    assert set(found) == {("unused.weight", "unused.bias"), ("layer.weight",)}
+    assert found[("unused.weight", "unused.bias")].step == 0 and not found[("unused.weight", "unused.bias")].op
+    assert found[("layer.weight",)].module == "layer"
+
+
+def test_a_weight_reached_both_through_the_function_and_around_it_is_not_pinned_on_it() -> None:
+    from gradwatch.diagnose.capture import Call
+    from gradwatch.diagnose.graph_walk import gated_leaves
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    both, only = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    out = NoWeightGradLinear.apply(x @ both, only) + x @ both.t()
+    call = Call((x,), {}, None)
+    call.nodes, call.node_index = (out.grad_fn,), (0,)
+    gates = {id(t): gate for t, gate in gated_leaves([call]) or []}
+    assert gates[id(both)] is None
+    assert gates[id(only)] == ("NoWeightGradLinearBackward", f"{__name__}.NoWeightGradLinear")
+
+
+def test_the_verdict_of_a_watched_parameter() -> None:
+    from gradwatch.core.grad_gates import gate_verdict
+
+    assert gate_verdict(fired=False, got=False) == "pending"  # no backward reached it yet
+    assert gate_verdict(fired=True, got=False) == "blocked"  # backward left its .grad None
+    assert gate_verdict(fired=True, got=True) == "dropped"  # backward gave one; the loop dropped it
+
+
 def test_the_watch_leaves_no_hook_on_the_weight() -> None:
     model = _net()
     _train(model)

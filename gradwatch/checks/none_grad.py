@@ -236,13 +236,14 @@ def _function_explanation(f: NoneGradFacts) -> Explanation:
     return Explanation(
         what=(
             f"{len(f.params)} trainable parameter(s) {whose} got no gradient {when}: {names_text(f.params)}"
-            f"{where}. The step's graph reaches them only through the custom autograd Function {fn} (node "
-            f"{node}, {qualified}), and {fn}.backward returned None for them at every backward."
+            f"{where}. The step's graph reaches them only through the custom autograd Function {fn} "
+            f"({qualified}, autograd node {node}), and {fn}.backward returned None for them: their .grad stayed "
+            "None after backward."
         ),
         why=(
-            f"{updater} (their .grad is None), though they require grad. backward returns one gradient per "
-            "input of forward, in order; None tells autograd that this input gets no gradient, so nothing reaches "
-            "them. No error, no NaN: the layer simply stays at its initial weights."
+            f"{updater}, though they require grad. backward returns one gradient per input of forward, in order; "
+            "None tells autograd that this input gets no gradient. No error, no NaN: they stay at their initial "
+            "values."
         ),
         fix=(
             f"return their gradient from {fn}.backward: grad_output times the derivative of the output with "
@@ -303,7 +304,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     blocked = stats.extra.get("grad_blocked") or {}
     groups: dict[tuple[str, str] | None, list[str]] = {}
     for n in fresh:
-        groups.setdefault(tuple(blocked[n]) if n in blocked else None, []).append(n)  # type: ignore[arg-type]
+        groups.setdefault(blocked.get(n), []).append(n)
     return [_finding(stats, none_grad_facts(stats, history, tuple(ps), gate)) for gate, ps in groups.items()]
 
 
