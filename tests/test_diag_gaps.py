@@ -206,3 +206,62 @@ def test_a_nan_made_between_submodules_is_placed_in_the_parents_code_not_in_the_
         "the forward code of <root> (Net) itself, after enc (the last module whose output was finite) and "
         "before head" in what
     )
+
+
+# -- losses that go NaN/Inf by themselves ----------------------------------------------------------------
+def test_cross_entropy_with_every_target_ignored_gets_the_reduction_sum_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    criterion = nn.CrossEntropyLoss(ignore_index=-100)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for i in range(3):
+            y = torch.randint(0, 5, (8,))
+            if i == 1:
+                y[:] = -100  # every target of this batch is padding: the mean is 0/0
+            loss = criterion(model(torch.randn(8, 4)), y)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "nonfinite_loss"]
+    assert f.step == 1 and f.data["cause"] == "loss_only" and "ignore_index" in f.explanation.what
+    assert "reduction='sum' divided by (target != ignore_index).sum().clamp_min(1)" in f.fix
+
+
+def test_label_smoothing_over_many_classes_in_float16_is_told_to_keep_integer_targets() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 20000).half()  # the smoothing term sums 20000 log-probabilities of about -10
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for i in range(2):
+            loss = nn.functional.cross_entropy(
+                model(torch.randn(8, 16).half()), torch.randint(0, 20000, (8,)), label_smoothing=0.1 * i
+            )
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "nonfinite_loss"]
+    assert f.step == 1 and f.data["cause"] == "float16" and "label_smoothing" in f.explanation.what
+    # Class indices must stay integers: loss_fn(out.float(), y.float()) would fail in cross_entropy.
+    assert "`loss_fn(out.float(), y)`" in f.fix and "y.float() for targets that are values" in f.fix
+
+
+def test_a_normal_whose_sigma_reached_zero_is_told_to_floor_sigma() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradwatch.watch(model, opt, console=False, on_nonfinite="skip") as gw:
+        for i in range(4):
+            out = model(torch.randn(8, 4))
+            sigma = torch.exp(out[:, 1] - (200.0 if i in (1, 2) else 0.0))  # exp(-200) is 0 in float32
+            normal = torch.distributions.Normal(out[:, 0], sigma, validate_args=False)
+            loss = -normal.log_prob(torch.zeros(8)).mean()
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    named = [f for f in _origins(gw) if f.op is not None]
+    assert named and named[0].op == "DivBackward0" and "log_prob" in (named[0].data["code"] or "")
+    assert "sigma = F.softplus(raw) + 1e-3" in named[0].fix

@@ -81,7 +81,9 @@ OP_FIXES: list[tuple[tuple[str, ...], str]] = [
     (
         ("Div", "Reciprocal", "Remainder", "Fmod"),
         "division by zero (a zero norm, count or std): divide by d.clamp_min(1e-8) or (d + 1e-8), or use "
-        "F.normalize(x, eps=1e-8).",
+        "F.normalize(x, eps=1e-8). A learned scale or a temperature that reached 0 (the sigma of "
+        "torch.distributions.Normal, whose log_prob divides by sigma ** 2; the tau of F.gumbel_softmax) needs a "
+        "floor: sigma = F.softplus(raw) + 1e-3 (or log_sigma.clamp(min=-7).exp()), tau.clamp_min(1e-2).",
     ),
     (
         ("Pow",),
