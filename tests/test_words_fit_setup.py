@@ -48,3 +48,32 @@ def test_none_grad_under_ddp_with_find_unused_parameters_does_not_ask_for_it(
         assert "already has find_unused_parameters=True" in why and "unused on every step" in why
         assert "traverse the autograd graph after every forward" in why
         assert fix.startswith("remove them from the model, or use them in forward")
+
+
+# == loss_diverging: the step where the loss left its range ===========================================
+def _regression_batches(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, x @ torch.randn(8, 1, generator=g)
+
+
+def test_loss_diverging_names_the_step_the_loss_left_its_range() -> None:
+    """The loss weighted 1000x from step 15 (a loss-weight typo switched on by a schedule): the finding still
+    comes once its last 10 checked losses are all up (step 24), and names step 15, where the loss jumped."""
+    x, y = _regression_batches()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with gradwatch.watch(net, opt, console=plain_console()) as gw:
+        for step in range(30):
+            xb, yb = x[step * 8 : step * 8 + 8], y[step * 8 : step * 8 + 8]
+            loss = F.mse_loss(net(xb), yb) * (1000.0 if step >= 15 else 1.0)
+            gw.observe_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+    (f,) = [f for f in gw.findings if f.kind == "loss_diverging"]
+    assert f.step == 24  # when it fires is unchanged: the last 10 checked losses are all above 3x the start
+    assert f.data["since"] == 15
+    assert f.explanation is not None and f.explanation.what.startswith("The loss is diverging since step 15,")
