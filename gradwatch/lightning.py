@@ -443,6 +443,8 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
                 self.engine.suppress_update(index)
             return None
         self._in_step.add(index)
+        if self.engine is not None:
+            self.engine.release_held()  # a closure that ran before the step (AMP's scaler.step): gradients final
         pos = 1 if args and args[0] is optimizer else 0
         closure = kwargs.get("closure") if "closure" in kwargs else (args[pos] if len(args) > pos else None)
         if closure is None and not self._automatic and index not in self._checked:
@@ -460,6 +462,8 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
             # suppressed here; a guarded non-finite re-evaluation becomes a failed trial.
             checked_before = self.engine.steps_checked if self.engine is not None else 0
             loss = closure()
+            if self.engine is not None:
+                self.engine.release_held()  # after the module's on_before_optimizer_step and clipping
             if self._automatic and self.engine is not None and self.engine.steps_checked > checked_before:
                 self._cleared_after_check(index)  # checked inside this closure (not a skipped training_step)
             self._suppress_if_skipped(index)
@@ -527,6 +531,7 @@ class GradWatchCallback(*(sys.modules[ns].Callback for ns in _IMPORTED)):  # typ
         engine = self.engine
         if engine is None:
             return
+        engine.release_held()  # a step the optimizer never ran (an AMP overflow): its gradients are still there
         engine.restore_grads()
         engine.step_done(index)
 
@@ -625,6 +630,9 @@ class ClipRatio:
 
     def attach(self, engine: Engine) -> None:
         self._multi = len(engine.optimizers) > 1
+        # The module's own on_before_optimizer_step (and callbacks after this one) run after the check and may
+        # clip: findings worded by clipping wait for the update (released by the callback, see core/held.py).
+        engine.hold_clipped_words = True
 
     def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats

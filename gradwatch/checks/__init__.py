@@ -6,6 +6,10 @@ A check must not mutate ``stats`` or ``history`` (the engine records history aft
 one exception: it may leave a note for its own ``remember`` in ``stats.extra`` under a key of its own
 (what it reported, so ``remember``, which gets no config, need not decide again).
 
+A module whose findings are worded by whether the update is clipped may define ``CLIPPED_AFTER_CHECK``: kind ->
+``(finding, stats, history) -> finding`` worded again when Lightning clipped after the check (see
+:mod:`gradwatch.core.held`).
+
 A module may also name, in ``WHEN``, the step facts of :data:`FACTS` without which neither its check nor its
 ``remember`` has anything to do (a check of the update ratio, on a step where it was not measured): the
 engine then runs it only on steps where one of them holds. A module without ``WHEN`` runs on every step.
@@ -56,6 +60,9 @@ class CheckModule(NamedTuple):
     check: CheckFn
     remember: RememberFn | None = None
     when: tuple[str, ...] = ()
+    #: ``CLIPPED_AFTER_CHECK``: per kind it reports, how to word a finding again once the step's gradients are
+    #: known to have been clipped after the check (see :mod:`gradwatch.core.held`); None: no such kind.
+    clipped_after_check: dict[str, Any] | None = None
 
 
 class Plan(NamedTuple):
@@ -92,6 +99,11 @@ class CheckTable:
     def __iter__(self) -> Any:
         return iter(self.modules)
 
+    @property
+    def rewords(self) -> dict[str, Any]:
+        """Every module's ``CLIPPED_AFTER_CHECK``, merged: kind -> reword."""
+        return {kind: fn for m in self.modules for kind, fn in (m.clipped_after_check or {}).items()}
+
     def __len__(self) -> int:
         return len(self.modules)
 
@@ -121,5 +133,8 @@ def discover() -> CheckTable:
         module = importlib.import_module(f"{__name__}.{info.name}")
         fn = getattr(module, "check", None)
         if callable(fn):
-            found.append(CheckModule(info.name, fn, getattr(module, "remember", None), tuple(getattr(module, "WHEN", ()))))
+            found.append(CheckModule(
+                info.name, fn, getattr(module, "remember", None), tuple(getattr(module, "WHEN", ())),
+                getattr(module, "CLIPPED_AFTER_CHECK", None),
+            ))
     return CheckTable(found)

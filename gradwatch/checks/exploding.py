@@ -35,7 +35,7 @@ import operator
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gradwatch.core.clipping import clip_advice, clipping_in_place
@@ -685,6 +685,7 @@ def _note_applied(stats: StepStats, e: Explosion) -> None:
 def _finding(stats: StepStats, facts: dict[str, Any], reasons: list[str], config: Config) -> Finding:
     e = explosion_facts(stats, facts, reasons, config)
     _note_applied(stats, e)
+    stats.extra[_EXPLOSION] = e
     top = sorted(e.layers.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)[:5]
     return Finding(
         kind="exploding_grad",
@@ -725,6 +726,26 @@ def _accumulation_words(n: int) -> str:
         f"((loss / {n}).backward()), the gradient and the update are {n}x what one batch tuned the learning "
         "rate for"
     )
+
+
+def _clipped_after_check(f: Finding, stats: StepStats, history: History) -> Finding:
+    """The finding worded again once the step's gradients are known to have been clipped after the check
+    (Lightning: the module's own on_before_optimizer_step; see gradwatch.core.held): clipping is in place."""
+    e = stats.extra.get(_EXPLOSION)
+    clipped = clipping_in_place(stats, this_step=True)
+    if not isinstance(e, Explosion) or e.clipped is not None or clipped is None or "overflow" in e.reasons:
+        return f
+    applied = history.memory.get(APPLIED)
+    if isinstance(applied, dict) and applied.get("step") == e.step:
+        del history.memory[APPLIED]  # the update was clipped: later non-finite steps do not name it
+    e = replace(e, clipped=clipped, clip_how=stats.extra["clipping"]["how"], clip_advice="")
+    return replace(f, explanation=explosion_explanation(e))
+
+
+#: Kinds whose words depend on clipping measured after the check (see gradwatch.core.held).
+CLIPPED_AFTER_CHECK = {"exploding_grad": _clipped_after_check}
+#: The facts of the finding made at this step, for those words.
+_EXPLOSION = "exploding/explosion"
 
 
 #: How sure the clipping is to have bounded this update (the module's own clipping may skip steps).

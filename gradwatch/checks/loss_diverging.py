@@ -58,6 +58,9 @@ NOISE = 2.0
 DEPTH = 8.0
 MIN_START = 1e-3
 _FIRST = "loss_diverging/first"
+#: ``(step, loss)`` of the first EARLY checked losses: the step where the loss left its range is named from
+#: them (the recent window is losses alone; the jump may lie before the RECENT steps the check reads).
+_STEPS = "loss_diverging/steps"
 _KEY = "loss_diverging"
 #: A loss thrown this many times above the start, and then every gradient exactly zero for DEAD checked steps
 #: in a row: the run diverged and died (saturated or dead units pass no gradient back), so the loss falls back
@@ -155,24 +158,51 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     lrs = _learning_rates(stats.extra.get("optimizer"))
     lr_text = f" (learning rate now {lrs})" if lrs else ""
     why = _WHY["stalled" if stats.overflow_norm and config.on_nonfinite == "skip" else "moving_away"]
+    since = _left_range(stats, history, start)
     return [
         Finding(
             kind=_KEY,
             step=stats.step,
             severity="warning",
             explanation=Explanation(
-                what=f"The loss is diverging: its median over the last {n} checked steps is {level:.4g}, "
-                f"{level / start:.3g}x the {start:.4g} it started at ({REFERENCES[reference][0]}), "
-                f"and none of those steps came back below {FLOOR:g}x the start{lr_text}.",
+                what=f"The loss is diverging{_SINCE[since is not None](since)}: its median over the last {n} "
+                f"checked steps is {level:.4g}, {level / start:.3g}x the {start:.4g} it started at "
+                f"({REFERENCES[reference][0]}), and none of those steps came back below {FLOOR:g}x the "
+                f"start{lr_text}.",
                 why=f"{why}.",
                 fix="lower the learning rate (10x at a time; check for a typo such as lr=1 instead of 1e-3), "
                 "add a warm-up for Adam on Transformers, clip gradients "
                 "(torch.nn.utils.clip_grad_norm_), and check that the loss is minimized (not maximized) "
                 "with targets on the scale the model can reach.",
             ),
-            data={"start": start, "median": level, "ratio": level / start, "steps": n, "reference": reference},
+            data={
+                "start": start, "median": level, "ratio": level / start, "steps": n, "reference": reference,
+                **({"since": since} if since is not None else {}),
+            },
         )
     ]
+
+
+def _left_range(stats: StepStats, history: History, start: float) -> int | None:
+    """The first checked step of the run of losses above FLOOR x the start that goes on to this step: where
+    the loss left its range (it may lie before the RECENT steps the check reads). None when the steps of
+    the losses are not known (a run resumed from a checkpoint)."""
+    pairs = history.memory.get(_STEPS)
+    if not pairs:
+        return None
+    since = stats.step
+    for step, loss in reversed(pairs):
+        if loss <= FLOOR * start:
+            return since
+        since = step
+    return since
+
+
+#: When the step the loss left its range is known, the finding's first words name it.
+_SINCE: dict[bool, Callable[[int | None], str]] = {
+    True: lambda since: f" since step {since}, where it left its range",
+    False: lambda since: "",
+}
 
 
 #: Why a diverging loss matters, by where the run is: its updates skipped for an overflowing gradient norm
@@ -219,9 +249,12 @@ def _learning_rates(optimizer: Any) -> str:
 def remember(stats: StepStats, history: History) -> None:
     if _died(stats, history) is not None or _facts(stats, history) is not None:
         history.reported[_KEY] = True
+        history.memory.pop(_STEPS, None)
     if stats.loss is None or stats.loss_nonfinite:
         return
-    history.memory[_COUNT] = history.memory.get(_COUNT, 0) + 1
+    history.memory[_COUNT] = count = history.memory.get(_COUNT, 0) + 1
+    if count <= EARLY and not history.reported.get(_KEY):  # at most EARLY pairs: the check stops there
+        history.memory.setdefault(_STEPS, []).append((stats.step, float(stats.loss)))
     first = history.memory.setdefault(_FIRST, [])
     if len(first) < START:  # FAST <= START: both references read this list
         first.append(float(stats.loss))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from gradwatch.core.clipping import clip_advice, clipping_in_place
@@ -204,6 +205,18 @@ def _unclipped_words(stats: Any) -> tuple[str, str]:
         "this step's batch for bad samples or labels; with mixed precision, check for overflow in the loss."
     )
     return why, fix
+
+
+def _clipped_after_check(f: Finding, stats: Any, history: History) -> Finding:
+    """The finding worded again once the step's gradients are known to have been clipped after the check
+    (Lightning: the module's own on_before_optimizer_step; see gradwatch.core.held)."""
+    if f.explanation is None:
+        return f
+    return replace(f, explanation=_explain(f.explanation.what, stats, "since" not in f.data))
+
+
+#: Kinds whose words depend on clipping measured after the check (see gradwatch.core.held).
+CLIPPED_AFTER_CHECK = {"loss_spike": _clipped_after_check}
 
 
 def remember(stats: Any, history: History) -> None:

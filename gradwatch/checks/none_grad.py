@@ -267,17 +267,42 @@ def none_grad_explanation(f: NoneGradFacts) -> Explanation:
     updater = "the optimizer never updates them" if f.with_optimizer else "the update (by hand) never changes them"
     cause = none_grad_cause(f)
     likely = f"Likely cause here: {_CAUSE_WORDS[cause](f)}\n" if cause != "none" else ""
-    fix = (
-        "use them in forward on the path to the loss (check for a branch that is never taken or an output that "
-        "is detached or dropped), or freeze them with requires_grad_(False), or leave them out of "
-        f"{'the optimizer' if f.with_optimizer else 'the update'}."
-    )
+    ddp_why, fix = _DDP_WORDS[f.unused_expected](f)
     return Explanation(
         what=f"{len(f.params)} trainable parameter(s) {whose} got no gradient {when}: {names_text(f.params)}.",
-        why=f"{updater} (their .grad is None), and under DistributedDataParallel they make backward fail or "
-        f"require find_unused_parameters=True.\n{likely}{_ONCE}",
+        why=f"{updater} (their .grad is None){ddp_why}\n{likely}{_ONCE}",
         fix="" if cause == "reentrant" else fix,  # the reentrant checkpoint's cause carries its fix
     )
+
+
+def _usual_words(f: NoneGradFacts) -> tuple[str, str]:
+    return (
+        ", and under DistributedDataParallel they make backward fail or require find_unused_parameters=True.",
+        "use them in forward on the path to the loss (check for a branch that is never taken or an output that "
+        "is detached or dropped), or freeze them with requires_grad_(False), or leave them out of "
+        f"{'the optimizer' if f.with_optimizer else 'the update'}.",
+    )
+
+
+def _unused_expected_words(f: NoneGradFacts) -> tuple[str, str]:
+    # DistributedDataParallel(find_unused_parameters=True) is already set: they waited MEMBER_GRACE checked
+    # steps, so they are unused on every step, not on some.
+    return (
+        ". DistributedDataParallel already has find_unused_parameters=True, so backward does not fail, but "
+        "these are unused on every step, not on some: forward never reaches them. find_unused_parameters=True "
+        "makes DDP traverse the autograd graph after every forward to find them, a cost paid on every step.",
+        "remove them from the model, or use them in forward on the path to the loss (check for a branch that is "
+        "never taken or an output that is detached or dropped); if no other parameter goes unused on some "
+        "steps, drop find_unused_parameters=True then (DDP skips that traversal).",
+    )
+
+
+#: The words about DistributedDataParallel (the end of the why, and the fix), by whether the DDP module
+#: already expects unused parameters (``find_unused_parameters=True``).
+_DDP_WORDS: dict[bool, Callable[[NoneGradFacts], tuple[str, str]]] = {
+    False: _usual_words,
+    True: _unused_expected_words,
+}
 
 
 #: When none_grad speaks, and when it waits.

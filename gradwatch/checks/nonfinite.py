@@ -135,10 +135,13 @@ def _float16_words(f: LossFacts, action: str) -> Explanation:
     return Explanation(
         what=f"The loss is {_fmt(f.loss)} at step {f.step} and was computed in float16 "
         "(model.half(), precision=\"16-true\"), whose largest value is 65504: it overflowed "
-        "float16 (a squared error above 256, a sum over many elements, exp above 11)"
+        "float16 (a squared error above 256, a sum over many elements such as cross_entropy's label_smoothing "
+        "term, which adds up the log-probabilities of every class: over 65504 with a few thousand classes, "
+        "exp above 11)"
         + (", although every gradient is finite" if f.grads_finite else "")
         + f". {action}",
-        fix="compute the loss in float32 (`loss_fn(out.float(), y.float())`), or train "
+        fix="compute the loss in float32 (`loss_fn(out.float(), y)`, and y.float() for targets that are values, "
+        "not class indices), or train "
         "with float32 weights under torch.autocast (with a GradScaler) instead of model.half(); "
         "normalizing the targets (and inputs) keeps the values in range too.",
     )
@@ -158,8 +161,10 @@ def _loss_only_words(f: LossFacts, action: str) -> Explanation:
     return Explanation(
         what=f"{_finite_grads_head(f.loss, f.step)}{_LOSS_ONLY} {action}",
         fix="average with loss.sum() / count.clamp_min(1) (or skip batches with nothing "
-        "to learn from); write p * log(p) as torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on "
-        "log-probabilities; check the terms added to the loss for NaN/Inf.",
+        "to learn from); for nn.CrossEntropyLoss / F.cross_entropy with ignore_index, that is "
+        "reduction='sum' divided by (target != ignore_index).sum().clamp_min(1); write p * log(p) as "
+        "torch.xlogy(p, p) (0 where p = 0), or use F.kl_div on log-probabilities; check the terms added to the "
+        "loss for NaN/Inf.",
     )
 
 

@@ -61,6 +61,18 @@ def _by_the_module(clip: Any, ratio: float | None, this_step: bool) -> str | Non
     )
 
 
+def _after_the_check(clip: Any, ratio: float | None, this_step: bool) -> str | None:
+    # Lightning: the gradients were scaled down after the callbacks' on_before_optimizer_step (gradwatch's
+    # check) and before the optimizer step, measured then (see gradwatch.core.held): this step's ratio.
+    if ratio is None or ratio >= 1.0:
+        return None
+    return (
+        f"this step's gradient was scaled down {1 / ratio:.3g}x after gradwatch's check and before the optimizer "
+        "step (clipping in the LightningModule's own on_before_optimizer_step, or in a callback's, which Lightning "
+        "runs after gradwatch's; gradwatch measures before clipping)"
+    )
+
+
 #: How the run clips (``stats.extra["clipping"]["how"]``) -> the clause that says so: ``(clip_val, the step's
 #: clip ratio or None, whether the finding is about this step's gradient) -> clause or None``.
 _IN_PLACE: dict[str, Callable[[Any, float | None, bool], str | None]] = {
@@ -69,7 +81,17 @@ _IN_PLACE: dict[str, Callable[[Any, float | None, bool], str | None]] = {
     "loop": _by_the_loop,
     "module": _by_the_module,
     "module_code": _by_the_module_code,
+    "after_check": _after_the_check,
 }
+
+
+def note_clipped_after_check(stats: Any, ratio: float) -> None:
+    """Record on a Lightning step that its gradients were scaled by ``ratio`` after the check and before the
+    update (measured at the optimizer step, see ``gradwatch.core.held``)."""
+    found = stats.extra.get("clipping")
+    manual = bool(found.get("manual")) if isinstance(found, dict) else False
+    stats.extra["clipping"] = {"lightning": True, "how": "after_check", "clip_val": None, "manual": manual}
+    stats.extra["clip_ratio"] = ratio
 
 
 def clipping_in_place(stats: Any, this_step: bool = True) -> str | None:

@@ -29,6 +29,7 @@ from gradwatch.core.explain import exception_findings
 from gradwatch.core.extension_bus import ExtensionBus
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding, GradWatchError
+from gradwatch.core.held import HeldFindings
 from gradwatch.core.history import History
 from gradwatch.core.loss_ledger import LossLedger
 from gradwatch.core.param_tracker import ParamTracker
@@ -111,6 +112,10 @@ class Engine:
         self.update_guard = UpdateGuard(self.index)
         self.closure_guard = ClosureGuard(self)
         self._check_modules = _checks.discover()
+        #: Set by an integration whose check runs before code that may clip (Lightning): findings worded by
+        #: whether the update is clipped wait for the step's final gradients (see gradwatch.core.held).
+        self.hold_clipped_words = False
+        self._held = HeldFindings(self._check_modules.rewords)
         self._pending: tuple[StepContext, list[tuple[int, list[int]]], int] | None = None
         self._scalars = StepScalars(config.layer_every, several_optimizers=len(self.optimizers) > 1)
         self._norm_sample = NormSample()
@@ -186,6 +191,8 @@ class Engine:
         """
         if self._closed:
             return "ok"
+        if self._held.holding:
+            self.release_held(measure=False)  # not released at its update: the gradients now are another step's
         s = self.step_counts[opt_index] if step is None else step
         if not (s % self.config.every == 0 if due is None else due):
             self.drop_losses()
@@ -308,6 +315,7 @@ class Engine:
         self._record(stats, findings, skipped=decision == "skip")
         self.bus.call("after_step", stats, decision)
         if error is not None:
+            self.release_held(measure=False)
             raise error
         return decision
 
@@ -326,10 +334,27 @@ class Engine:
                 self._norm_sample.add(stats.total_norm)
             for f in findings:
                 self._keep(f)
-            if findings:
+            if findings and self.hold_clipped_words and not self.config.deferred and self._held.wants(stats, findings):
+                self._held.hold(stats, findings)  # reported by release_held, at the update
+            elif findings:
                 self.reporters.findings(findings)
             scalars = self._scalars.of(stats, self.steps_skipped, self.kind_counts, every_value=bool(findings))
             self.reporters.call("scalars", stats.step, scalars)
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("report", exc, owner=self)
+
+    def release_held(self, measure: bool = True) -> None:
+        """Report the findings held for the step's final gradients (see :mod:`gradwatch.core.held`), worded
+        again when the gradients were clipped since the check. Called by the integration at the update
+        (``measure``: the gradients now are that step's final ones)."""
+        if not self._held.holding:
+            return
+        pairs = self._held.release(self.history, measure=measure, owner=self)
+        reworded = {id(held): now for held, now in pairs if now is not held}
+        if reworded:
+            self.findings[:] = [reworded.get(id(f), f) for f in self.findings]
+        try:
+            self.reporters.findings([now for _, now in pairs])
         except Exception as exc:  # noqa: BLE001
             internal_warning("report", exc, owner=self)
 
@@ -442,6 +467,7 @@ class Engine:
         """Flush pending statistics, remove hooks, print the summary, close writers. Idempotent."""
         if self._closed:
             return
+        self.release_held(measure=False)
         self.bus.call("before_close")
         if self._pending is not None:
             try:

@@ -168,6 +168,7 @@ StepExtra = TypedDict(
         "exploding/want_param_norms": bool,  # exploding: measure the weights at the next step
         "exploding/pending": str,  # exploding: "new" or "reported"
         "exploding_grad/record": float,  # exploding: the excess reported
+        "exploding/explosion": Any,  # exploding: the facts of the finding made at this step (worded again, held)
     },
     total=False,
 )

@@ -139,3 +139,33 @@ def first_bad_module(
         if outs is not None and is_bad(outs):
             return label, magnitudes(ins)
     return None, {}
+
+
+def carried_in(ins: list[float] | None, outs: list[float] | None) -> str | None:
+    """``"NaN"`` / ``"Inf"`` when a module's inputs already held what its output holds (it passed the value on:
+    it was made before the module ran), else None. An Inf input that came out NaN (a softmax over a fully masked
+    row) was made NaN by the module itself."""
+    if ins is None or outs is None:
+        return None
+    if outs[0]:
+        return "NaN" if ins[0] else None
+    return "Inf" if outs[1] and ins[1] else None
+
+
+def passed_on(
+    modules: list[tuple[str, list[float] | None, list[float] | None]],
+) -> tuple[str | None, str | None]:
+    """For the first module with a non-finite output (see :func:`first_bad_module`): what its inputs already
+    held (:func:`carried_in`), and the last module completed before it whose output was finite (the code
+    between that one and it made the value); ``(None, None)`` when the module made it itself."""
+    for i, (label, ins, outs) in enumerate(modules):
+        if outs is None or not is_bad(outs):
+            continue
+        carried = carried_in(ins, outs)
+        if carried is None:
+            return None, None
+        before = (
+            lab for lab, _i, o in reversed(modules[:i]) if o is not None and not is_bad(o) and not lab.startswith(label + ".")
+        )
+        return carried, next(before, None)
+    return None, None

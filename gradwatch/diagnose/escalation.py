@@ -53,7 +53,9 @@ Finding kinds:
   ``"weights"`` — the parameters were already non-finite — or ``"buffers"`` — e.g. BatchNorm running
   statistics written non-finite by an earlier forward), ``op``, ``forward_op``, ``module``,
   ``source`` (``file:line in function``), ``code``, ``incoming`` / ``outgoing`` magnitudes,
-  ``first_nonfinite_module`` and ``first_nonfinite_module_inputs``, ``table`` (per layer: gradient
+  ``input_op`` (the op that produced the op's input, e.g. ``"Sigmoid"``), ``first_nonfinite_module`` and
+  ``first_nonfinite_module_inputs``, ``first_nonfinite_module_given`` (``"NaN"``/``"Inf"`` when that module's
+  inputs already held it: it passed it on) and ``last_finite_module``, ``table`` (per layer: gradient
   norm, NaN count, Inf count), ``surrogate_grad`` (the replay used a gradient of ones because the real
   one was not available), ``anomaly_error``, ``forward_traceback``, ``replayed``, ``report`` (the
   incident report path). Not emitted when the replay cannot reproduce the non-finite value (the incident

@@ -1,6 +1,7 @@
 """Walks of the step's autograd graph, from the captured forward calls: the loss code's ops that can make
-NaN/Inf (:func:`loss_ops`), and the leaf tensors the model's outputs were computed from (:func:`graph_leaves`,
-:func:`unowned_params`, :func:`gated_leaves`). Incident path, first steps or suspicious ones only: no walk runs on a healthy step.
+NaN/Inf (:func:`loss_ops`) and the ops their inputs came from (:func:`loss_op_inputs`), and the leaf tensors
+the model's outputs were computed from (:func:`graph_leaves`, :func:`unowned_params`, :func:`gated_leaves`).
+Incident path, first steps or suspicious ones only: no walk runs on a healthy step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 from gradwatch.core.grad_gates import Gate
 from gradwatch.diagnose.capture import Call, call_tensors
-from gradwatch.diagnose.op_fixes import can_turn_nonfinite
+from gradwatch.diagnose.op_fixes import can_turn_nonfinite, input_op
 
 #: Nodes a walk of the loss code visits at most (beyond that it names nothing).
 MAX_LOSS_NODES = 512
@@ -27,6 +28,20 @@ def loss_ops(calls: Sequence[Call]) -> list[str]:
     the value cannot be told here, only that they are there. Empty when the walk does not end at the
     model's outputs (then it would name the model's own ops).
     """
+    return [node.name() for node in _loss_nodes(calls)]
+
+
+def loss_op_inputs(calls: Sequence[Call]) -> dict[str, str]:
+    """For each op of :func:`loss_ops` whose calls all take their input from one op: that op (``{"LogBackward0":
+    "Sigmoid"}`` for ``torch.log(torch.sigmoid(z))``), which some fixes are keyed on."""
+    found: dict[str, set[str | None]] = {}
+    for node in _loss_nodes(calls):
+        found.setdefault(node.name(), set()).add(input_op(node))
+    return {name: next(iter(ops)) for name, ops in found.items() if len(ops) == 1 and None not in ops}  # type: ignore[misc]
+
+
+def _loss_nodes(calls: Sequence[Call]) -> list[Any]:
+    """The nodes :func:`loss_ops` names."""
     stops = {n for c in calls for n in c.nodes if n is not None}
     roots = [l.grad_fn for c in calls for l in c.losses if l.grad_fn is not None]
     if not roots or not stops:
@@ -34,7 +49,7 @@ def loss_ops(calls: Sequence[Call]) -> list[str]:
     seen: set[Any] = set()
     frontier: list[Any] = list(roots)
     reached = False
-    names: list[str] = []
+    nodes: list[Any] = []
     while frontier:
         node = frontier.pop()
         if node is None or node in seen:
@@ -48,9 +63,9 @@ def loss_ops(calls: Sequence[Call]) -> list[str]:
         if type(node).__name__ == "AccumulateGrad":
             continue
         if can_turn_nonfinite(node):
-            names.append(node.name())
+            nodes.append(node)
         frontier.extend(nxt for nxt, _ in node.next_functions)
-    return names if reached else []
+    return nodes if reached else []
 
 
 def output_nodes(calls: Sequence[Call], *, reached: bool = False) -> list[Any]:

@@ -89,7 +89,7 @@ def restate_checks(findings: list[Finding], step: int, origin: Any) -> tuple[Fin
     the report."""
     from gradwatch.checks.nonfinite import defer_to_origin
 
-    fix = fix_for(origin.op, origin.forward_op)
+    fix = fix_for(origin.op, origin.forward_op, origin.input_op)
     for i, f in enumerate(findings):
         restated = defer_to_origin(f, origin.op, origin.module, fix) if f.step == step else None
         if restated is not None:

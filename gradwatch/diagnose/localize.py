@@ -47,7 +47,9 @@ from gradwatch.diagnose.birth import (
     last_finite,
     magnitudes,
     output_flags,
+    passed_on,
 )
+from gradwatch.diagnose.op_fixes import input_op
 from gradwatch.observe.module_hooks import owned
 
 ROOT = "<root>"
@@ -118,6 +120,8 @@ class Origin:
         outgoing: What came out: ``nan``/``inf`` (whether present) and ``max_abs``.
         traceback: The forward traceback recorded by anomaly mode for this node, if it was on.
         explicit_operand: The op was given an explicit non-finite Python number (``float("inf")``).
+        input_op: The op that produced the op's input (``"Sigmoid"`` for ``torch.log(torch.sigmoid(z))``),
+            read from its autograd node; None without one.
     """
 
     phase: str
@@ -135,6 +139,7 @@ class Origin:
     #: A backward birth whose forward inputs held Inf: the forward op that made that Inf, which the forward
     #: then masked out (``torch.where(x > 0, w * x.log(), 0)``): the backward's 0 * inf is the NaN.
     masked_inf: Origin | None = None
+    input_op: str | None = None
 
 
 @dataclass
@@ -145,6 +150,9 @@ class Localization:
         origin: The op where the first non-finite value was born, if one was seen.
         first_module: The first module (in completion order) whose forward output was non-finite.
         first_module_inputs: ``min_abs``/``max_abs``/``min``/``max`` of that module's tensor inputs.
+        first_module_carried: ``"NaN"``/``"Inf"`` when that module's inputs already held it (it passed it on).
+        last_finite_module: Then the last module before it whose output was finite.
+        root_class: The class name of the recorded root module.
         forward_finite: Whether every recorded forward op output was finite.
         first_seen: With no birth found, the site of the first recorded op whose inputs held NaN/Inf.
         ops_recorded: Number of forward ops recorded.
@@ -154,6 +162,9 @@ class Localization:
     origin: Origin | None = None
     first_module: str | None = None
     first_module_inputs: dict[str, float] = field(default_factory=dict)
+    first_module_carried: str | None = None
+    last_finite_module: str | None = None
+    root_class: str | None = None
     forward_finite: bool = True
     #: With no birth found: the first recorded op whose inputs already held NaN/Inf (where it was first
     #: seen: written in place, e.g. ``x[i] = float("nan")``, or read from a buffer or untraced code).
@@ -356,6 +367,7 @@ class Localizer:
         self.root = root
         self.root_label = root_label
         self.aten = aten
+        self._root_class: str | None = None
         self.recording = False
         self._mode: _OpRecorder | None = None
         self._aten_mode: _AtenRecorder | None = None
@@ -397,6 +409,8 @@ class Localizer:
         wrappers = module_wrappers(self.root)
         for name, m in self.root.named_modules():
             label = user_path(name, wrappers) or self.root_label  # no torch.compile / DDP wrapper segments
+            if label == self.root_label:
+                self._root_class = type(m).__name__  # the innermost of the wrappers (DDP, torch.compile): the user's
             # prepend: before the module's own pre-hooks (legacy weight_norm computes the weight in one)
             enter = m.register_forward_pre_hook(functools.partial(self._enter, label), prepend=True)
             leave = m.register_forward_hook(functools.partial(self._exit, label), with_kwargs=True, always_call=True)
@@ -613,6 +627,8 @@ class Localizer:
         if origin is None and not loc.forward_finite:
             loc.first_seen = first_seen([(site, before) for site, _n, _i, before, _a, _s in r.ops])
         loc.first_module, loc.first_module_inputs = first_bad_module(r.modules)
+        loc.first_module_carried, loc.last_finite_module = passed_on(r.modules)
+        loc.root_class = self._root_class
         return loc
 
     def _forward_origin(self, r: Readings) -> Origin | None:
@@ -633,6 +649,7 @@ class Localizer:
             outgoing=output_flags(after),
             traceback=_traceback(node) if node is not None else None,
             explicit_operand=intent,
+            input_op=input_op(node) if node is not None else None,
         )
         if end - start > 1:  # a composite function: name the aten op inside it
             inner = first_birth([(i, b, a) for _n, i, b, a in r.aten[start:end]])
@@ -708,6 +725,7 @@ class Localizer:
             outgoing=outgoing,
             traceback=_traceback(node),
             forward_birth=forward_birth,
+            input_op=input_op(node),
         )
 
 
@@ -818,3 +836,4 @@ def _refine(origin: Origin, node: Any, inner: tuple[str, bool, list[float] | Non
     origin.op = match.name() if match is not None else f"aten.{name}"
     if match is not None:
         origin.traceback = _traceback(match) or origin.traceback
+        origin.input_op = input_op(match)

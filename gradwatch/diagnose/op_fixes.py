@@ -1,7 +1,8 @@
-"""Op advice: what to change when an op makes NaN/Inf, as a table keyed by op (:data:`OP_FIXES`).
+"""Op advice: what to change when an op makes NaN/Inf, as a table keyed by op (:data:`OP_FIXES`), and one keyed
+by the op and the op that produced its input (:data:`INPUT_FIXES`: ``log(sigmoid(z))`` is ``F.logsigmoid(z)``).
 
-:func:`fix_for` looks an op up (``"SqrtBackward0"``, ``"torch.sqrt"``); :data:`GENERIC_FIX` is the answer for an
-op the table does not know. :func:`can_turn_nonfinite` and :func:`absorbs_mask` are facts about an op read from
+:func:`fix_for` looks an op up (``"SqrtBackward0"``, ``"torch.sqrt"``; with :func:`input_op`'s answer, the
+input's op first); :data:`GENERIC_FIX` is the answer for an op the tables do not know. :func:`can_turn_nonfinite` and :func:`absorbs_mask` are facts about an op read from
 the same table.
 """
 
@@ -80,7 +81,9 @@ OP_FIXES: list[tuple[tuple[str, ...], str]] = [
     (
         ("Div", "Reciprocal", "Remainder", "Fmod"),
         "division by zero (a zero norm, count or std): divide by d.clamp_min(1e-8) or (d + 1e-8), or use "
-        "F.normalize(x, eps=1e-8).",
+        "F.normalize(x, eps=1e-8). A learned scale or a temperature that reached 0 (the sigma of "
+        "torch.distributions.Normal, whose log_prob divides by sigma ** 2; the tau of F.gumbel_softmax) needs a "
+        "floor: sigma = F.softplus(raw) + 1e-3 (or log_sigma.clamp(min=-7).exp()), tau.clamp_min(1e-2).",
     ),
     (
         ("Pow",),
@@ -167,6 +170,47 @@ OP_FIXES: list[tuple[tuple[str, ...], str]] = [
         "inputs (an all-padding sample, a dead channel).",
     ),
 ]
+#: Fixes keyed by the op and the op that produced its input (see :func:`input_op`): asked before
+#: :data:`OP_FIXES`, whose advice for the op alone would point elsewhere (log_softmax for a log of a sigmoid).
+INPUT_FIXES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
+    (
+        ("Log", "Log2", "Log10"),
+        ("Sigmoid",),
+        "log of a sigmoid that saturated: in float32 sigmoid(z) rounds to 0 below z = -88 and to 1 above "
+        "z = 17 (so 1 - sigmoid(z) is 0; float16: -11 and 8), and log(0) is -inf with an infinite gradient. Stay "
+        "in log space: F.logsigmoid(z) instead of torch.log(torch.sigmoid(z)), F.logsigmoid(-z) instead of "
+        "torch.log(1 - torch.sigmoid(z)); for a binary cross-entropy written by hand, use nn.BCEWithLogitsLoss "
+        "(F.binary_cross_entropy_with_logits) on the logits z.",
+    ),
+    (
+        ("Log", "Log2", "Log10"),
+        ("Softmax",),
+        "log of a softmax that underflowed: a probability rounds to 0 once its logit is about 88 below the "
+        "largest (about 11 in float16), and log(0) is -inf with an infinite gradient. Stay in log space: "
+        "F.log_softmax(x, dim) instead of torch.log(torch.softmax(x, dim)), or F.cross_entropy / "
+        "nn.CrossEntropyLoss (nn.NLLLoss after log_softmax) on the logits.",
+    ),
+]
+#: Ops :func:`input_op` looks through to the op before them: ``log(1 - sigmoid(z))`` is a log of a sigmoid.
+_LOOK_THROUGH = ("Rsub",)
+
+
+def input_op(node: Any) -> str | None:
+    """The op (``"Sigmoid"``) that produced the first input of the backward node ``node`` (``LogBackward0``),
+    looking through ``1 - x``; None for a leaf, a missing node or a node that cannot be read."""
+    try:
+        for _ in range(1 + len(_LOOK_THROUGH)):
+            node = next((n for n, _i in node.next_functions if n is not None), None)
+            if node is None or type(node).__name__ == "AccumulateGrad":
+                return None
+            base = op_base(node.name())
+            if base not in _LOOK_THROUGH:
+                return base
+    except Exception:  # noqa: BLE001 - not an autograd node
+        return None
+    return None
+
+
 GENERIC_FIX = (
     "the values grew out of range: lower the learning rate, add normalization before this op, clip "
     "gradients, or compute this part in float32; if the op has a restricted domain, clamp its input."
@@ -185,8 +229,9 @@ def custom_function(op: str | None) -> str | None:
     return op[: -len("Backward")] if op and re.fullmatch(r"[A-Za-z_]\w*Backward", op) else None
 
 
-def fix_for(op: str | None, forward_op: str | None = None) -> str:
-    """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``)."""
+def fix_for(op: str | None, forward_op: str | None = None, input_from: str | None = None) -> str:
+    """What to change for a non-finite value born in ``op`` (e.g. ``"SqrtBackward0"``); ``input_from``: the op
+    that produced its input (``"Sigmoid"``, see :func:`input_op`), asked first in :data:`INPUT_FIXES`."""
     name = custom_function(op)
     if name is not None:
         return (
@@ -196,6 +241,11 @@ def fix_for(op: str | None, forward_op: str | None = None) -> str:
             "gw.gradcheck() after the step) compares every custom Function's backward with finite differences "
             "of its forward on the inputs it received."
         )
+    if input_from:
+        bases = {op_base(name) for name in (op, forward_op) if name}
+        for names, inputs, fix in INPUT_FIXES:
+            if bases & set(names) and op_base(input_from) in inputs:
+                return fix
     for name in (op, forward_op):
         if not name:
             continue

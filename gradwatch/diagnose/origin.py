@@ -79,9 +79,13 @@ class OriginFacts:
         surrogate: Replayed with a gradient of ones at the model output.
         half: Ran under autocast in float16; half_weights: the model's weights are float16.
         first_module: The first module whose output was non-finite, and the range of its inputs.
+        first_module_carried: ``"NaN"``/``"Inf"`` when that module's inputs already held it (it passed it on),
+            and last_finite_module: the last module before it whose output was finite; root_class: the class
+            of the root module (``"<root>"``).
         inf_op: For a backward birth whose forward inputs held Inf: the forward op that made that Inf, which
             the forward then masked out (``torch.where(x > 0, w * x.log(), 0)``); inf_forward_op, inf_source,
             inf_code: its torch function, ``"file:line in function"`` and line.
+        input_op: The op that produced the op's input (``"Sigmoid"``), which some fixes are keyed on.
     """
 
     step: int
@@ -107,6 +111,10 @@ class OriginFacts:
     inf_forward_op: str | None = None
     inf_source: str | None = None
     inf_code: str | None = None
+    input_op: str | None = None
+    first_module_carried: str | None = None
+    last_finite_module: str | None = None
+    root_class: str | None = None
 
     @property
     def op_base(self) -> str:
@@ -143,6 +151,10 @@ def _origin_facts(step: int, result: ReplayResult) -> OriginFacts:
         inf_forward_op=inf.forward_op if inf is not None else None,
         inf_source=inf.source if inf is not None else None,
         inf_code=inf.code if inf is not None else None,
+        input_op=origin.input_op,
+        first_module_carried=loc.first_module_carried,
+        last_finite_module=loc.last_finite_module,
+        root_class=loc.root_class,
     )
 
 
@@ -247,7 +259,7 @@ _FIX_RULES: tuple[tuple[Callable[[OriginFacts], bool], Callable[[OriginFacts, st
 
 def origin_fix(facts: OriginFacts) -> str:
     """What to change for the origin ``facts`` describe: the op's own fix, rewritten by ``_FIX_RULES``."""
-    fix = fix_for(facts.op, facts.forward_op)
+    fix = fix_for(facts.op, facts.forward_op, facts.input_op)
     for applies, rewrite in _FIX_RULES:
         if applies(facts):
             fix = rewrite(facts, fix)
@@ -305,11 +317,34 @@ def _forward_inputs(facts: OriginFacts) -> str:
     return inputs
 
 
-def _first_module_note(facts: OriginFacts) -> str:
-    if facts.first_module is None:
-        return ""
+def _made_first_note(facts: OriginFacts) -> str:
     ranged = f" (inputs {_range(facts.first_module_inputs)})" if facts.first_module_inputs else ""
     return f" First module with a non-finite output: {facts.first_module}{ranged}."
+
+
+def _made_by(facts: OriginFacts) -> str:
+    """Whose code made the value: ``"the forward code of <root> (Net) itself"``, ``"training_step"``..."""
+    if facts.module is None:
+        return "training_step" if facts.lightning else "code outside the model"
+    label = f"{facts.module} ({facts.root_class})" if facts.module.startswith("<root") and facts.root_class else facts.module
+    return f"the forward code of {label} itself"
+
+
+def _passed_on_note(facts: OriginFacts) -> str:
+    # The first module with a non-finite output only passed on what it was given: naming it alone would send
+    # the user to a module that did nothing wrong. The value was made by the code that ran before it.
+    after = f"after {facts.last_finite_module} (the last module whose output was finite) and " if facts.last_finite_module else ""
+    return (
+        f" The first module with a non-finite output, {facts.first_module}, was given {facts.first_module_carried} "
+        f"and only passed it on: it was made by {_made_by(facts)}, {after}before {facts.first_module}: the op above."
+    )
+
+
+def _first_module_note(facts: OriginFacts) -> str:
+    """Which module first output the non-finite value, or that it was given it (see ``first_module_carried``)."""
+    if facts.first_module is None:
+        return ""
+    return (_passed_on_note if facts.first_module_carried else _made_first_note)(facts)
 
 
 def _forward_what(facts: OriginFacts) -> str:
@@ -375,6 +410,7 @@ def _located_data(facts: OriginFacts, result: ReplayResult) -> dict[str, Any]:
         "phase": facts.phase,
         "op": facts.op,
         "forward_op": facts.forward_op,
+        "input_op": facts.input_op,
         "module": facts.module,
         "source": facts.source,
         "code": facts.code,
@@ -434,13 +470,15 @@ _CLASS_WEIGHT_FIX = (
 )
 
 
-def _suspect_fix(name: str) -> str:
-    return _CLASS_WEIGHT_FIX if op_base(name) in ("NllLoss", "NllLoss2d") else fix_for(name)
+def _suspect_fix(name: str, input_from: str | None) -> str:
+    return _CLASS_WEIGHT_FIX if op_base(name) in ("NllLoss", "NllLoss2d") else fix_for(name, None, input_from)
 
 
-def _loss_code_fix(loss_ops: list[str]) -> str:
-    """One kind of suspect: its own fix; several: each one's; none known: the loss function's usual faults."""
-    fixes = {name: _suspect_fix(name) for name in dict.fromkeys(loss_ops)}
+def _loss_code_fix(loss_ops: list[str], inputs: dict[str, str] | None = None) -> str:
+    """One kind of suspect: its own fix; several: each one's; none known: the loss function's usual faults.
+    ``inputs``: the op a suspect took its input from (``{"LogBackward0": "Sigmoid"}``), where one."""
+    inputs = inputs or {}
+    fixes = {name: _suspect_fix(name, inputs.get(name)) for name in dict.fromkeys(loss_ops)}
     known = {name: f for name, f in fixes.items() if f is not GENERIC_FIX}
     if len(set(known.values())) == 1:
         return next(iter(known.values()))
@@ -457,7 +495,7 @@ def _loss_code_finding(step: int, result: ReplayResult, how: str, data: dict[str
         "from the loss was already non-finite: the NaN/Inf was born in the loss computation, outside "
         "the model (seen in " + how + ")." + _loss_suspects(result.loss_ops, result.replayed)
     )
-    explanation = Explanation(what=what, fix=_loss_code_fix(result.loss_ops))
+    explanation = Explanation(what=what, fix=_loss_code_fix(result.loss_ops, result.loss_inputs))
     return Finding(kind="nan_origin", step=step, severity="error", explanation=explanation, data=data)
 
 
@@ -514,6 +552,8 @@ def origin_finding(step: int, result: ReplayResult, layers: list[dict[str, Any]]
         "surrogate_grad": result.surrogate,
         "first_nonfinite_module": loc.first_module,
         "first_nonfinite_module_inputs": dict(loc.first_module_inputs),
+        "first_nonfinite_module_given": loc.first_module_carried,
+        "last_finite_module": loc.last_finite_module,
         "anomaly_error": result.anomaly_error,
         "table": layers,
     }

@@ -53,6 +53,8 @@ class ReplayResult:
         self.lightning = lightning
         #: Loss-code ops that can produce NaN/Inf, when the NaN/Inf came from the loss (see :func:`~gradwatch.diagnose.graph_walk.loss_ops`).
         self.loss_ops: list[str] = []
+        #: The op each of ``loss_ops`` took its input from, where one (see :func:`~gradwatch.diagnose.graph_walk.loss_op_inputs`).
+        self.loss_inputs: dict[str, str] = {}
         #: The replayed call's observed loss was already non-finite (the loss code's forward made it first).
         self.loss_nonfinite = False
         #: The replayed call ran under autocast in float16.

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradwatch.core.failures import internal_warning
 from gradwatch.diagnose.capture import Batch, Call
-from gradwatch.diagnose.graph_walk import loss_ops
+from gradwatch.diagnose.graph_walk import loss_op_inputs, loss_ops
 from gradwatch.diagnose.localize import Localization
 from gradwatch.diagnose.replay import (
     ReplayResult,
@@ -60,6 +60,7 @@ class Replayer:
             result = self._live_result(loc)
             if result.loss_born:
                 result.loss_ops = loss_ops(self.capture.calls)
+                result.loss_inputs = loss_op_inputs(self.capture.calls)
             if result.named or result.loss_born:
                 return result
         self.collective = None
@@ -78,6 +79,7 @@ class Replayer:
                 self.culprit = src
                 if result.loss_born:
                     result.loss_ops = loss_ops(self.capture.calls)
+                    result.loss_inputs = loss_op_inputs(self.capture.calls)
                 return result
         return None
 

@@ -39,6 +39,7 @@ from gradwatch.diagnose.autograd.inplace_common import (
     foreign_modules,
     inplace_finding,
     parse_inplace_error,
+    saver_op,
     traced_writes,
 )
 from gradwatch.diagnose.autograd.inplace_source import SourceWrite, local_writer
@@ -186,7 +187,7 @@ def _param_cause(ctx: Context, err: InplaceError, graph: SavedGraph, data: dict[
     ]
     fix = PARAM_WRITE_FIXES[param_writer_cause(writer)](pname)
     return inplace_finding(
-        ctx, lines, ctx.display_module(pmodule), err.op or data.get("consumer"), data, fix=fix, params=(pname,)
+        ctx, lines, ctx.display_module(pmodule), saver_op(data, err.op), data, fix=fix, params=(pname,)
     )
 
 
@@ -246,7 +247,7 @@ def _foreign_leaf_cause(ctx: Context, err: InplaceError, graph: SavedGraph, data
         step=ctx.step,
         severity="error",
         explanation=words,
-        op=err.op or data.get("consumer"),
+        op=saver_op(data, err.op),
         data=data,
     )
 
@@ -296,7 +297,7 @@ def local_finding(ctx: Context, write: SourceWrite, err: InplaceError, data: dic
         )
         + f" (or call backward() on the first loss before {write.name} changes)."
     )
-    return inplace_finding(ctx, lines, None, None, data, fix=fix)
+    return inplace_finding(ctx, lines, None, saver_op(data), data, fix=fix)
 
 
 def modified_buffer(ctx: Context, err: InplaceError) -> tuple[str, torch.Tensor, list[str]] | None:
@@ -331,7 +332,7 @@ def buffer_finding(
         (
             f"backward() failed at step {ctx.step}: {which} (shape {list(buf.shape)}) of module {module} "
             f"was modified in place after the forward pass used it ({err.versions}); autograd "
-            f"saved it (shape {list(err.shape)}) to compute a gradient."
+            f"saved it (shape {list(err.shape)}) for {data.get('consumer') or 'a backward node'} to compute a gradient."
         )
     ]
     graph = (
@@ -353,7 +354,7 @@ def buffer_finding(
         f"the forward use a copy: self.{attr}.clone() (a queue or memory bank, as in MoCo, is enqueued "
         "after the loss was computed from a copy)." + graph
     )
-    return inplace_finding(ctx, lines, module, mods[0].op if mods else None, data, fix=fix)
+    return inplace_finding(ctx, lines, module, saver_op(data, mods[0].op if mods else None), data, fix=fix)
 
 
 #: Causes of a saved tensor with no grad_fn (or a view of one) changed in place: ``(facts, finding)``, the

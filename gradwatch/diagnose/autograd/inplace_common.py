@@ -84,6 +84,13 @@ def modified_by_line(ctx: Context, writes: list[InplaceRecord]) -> str:
     )
 
 
+def saver_op(data: dict[str, Any], fallback: str | None = None) -> str | None:
+    """A finding's ``op`` when its words name the backward node that saved the changed tensor (``data["consumer"]``,
+    e.g. ``"AddmmBackward0"``): that node, not the view PyTorch's message names (``AsStrided``, ``T``), so ``op``
+    and the message agree; ``fallback`` when the node was not found."""
+    return data.get("consumer") or fallback
+
+
 def inplace_finding(
     ctx: Context, lines: list[str], module: str | None, op: str | None, data: dict[str, Any], fix: str | None = None,
     params: tuple[str, ...] = (),

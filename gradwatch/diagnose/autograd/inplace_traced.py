@@ -33,6 +33,7 @@ from gradwatch.diagnose.autograd.inplace_common import (
     foreign_modules,
     inplace_finding,
     modified_by_line,
+    saver_op,
 )
 from gradwatch.diagnose.autograd.inplace_source import SourceWrite, local_writer
 from gradwatch.observe.tracing import InplaceRecord, OpRecord, func_name, node_op
@@ -159,7 +160,7 @@ def _traced_view_cause(ctx: Context, err: InplaceError, graph: Any, data: dict[s
     taken = "indexing, x[idx]" if record.op == "__getitem__" else record.op
     lines = [
         (
-            f"backward() failed at step {ctx.step}: {node_op(graph.consumer)} saved a view (shape {list(err.shape)}, "
+            f"backward() failed at step {ctx.step}: {data['consumer']} saved a view (shape {list(err.shape)}, "
             f"taken by {taken}) of a tensor that was then written in place ({err.versions}); PyTorch "
             f"calls it the output of {err.op}."
         ),
@@ -177,7 +178,7 @@ def _traced_view_cause(ctx: Context, err: InplaceError, graph: Any, data: dict[s
         modified_at=None if writer is None else with_line(writer.source),
     )
     fix = VIEW_WRITE_FIXES.get(writer.op) if writer is not None else None
-    return inplace_finding(ctx, lines, module, err.op, data, fix=fix)
+    return inplace_finding(ctx, lines, module, saver_op(data, err.op), data, fix=fix)
 
 
 # -- the in-place op that wrote a saved input --------------------------------------------------------
