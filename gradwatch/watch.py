@@ -296,7 +296,7 @@ class Watcher:
                 if isinstance(loss, torch.Tensor) and loss.numel() > 0:
                     self.engine.observe_loss(loss)
                 due = self.engine.should_check(index)
-                guarded[0] = self._check(index) == "ok" and due
+                guarded[0] = self._check(index, closure=True) == "ok" and due
             elif guarded[0] and not self.engine.guard_reevaluation(index, loss, evaluations[0], large_loss=True):
                 # LBFGS iterates (and line-searches) within one step: this evaluation is non-finite. Its
                 # gradients are hidden (None); a large finite loss makes it a failed trial, not a NaN one.
@@ -306,8 +306,8 @@ class Watcher:
 
         return gradwatch_closure
 
-    def _check(self, index: int) -> str:
-        decision = self.engine.check_step(index)
+    def _check(self, index: int, closure: bool = False) -> str:
+        decision = self.engine.check_step(index, closure=closure)
         if decision == "skip":
             self.engine.suppress_update(index, self._pending_snapshot.pop(index, None))
         return decision

@@ -48,6 +48,7 @@ FACTS: tuple[tuple[str, Callable[[StepStats], bool]], ...] = (
     ("amp", lambda s: isinstance(s.extra.get("amp"), dict)),
     ("update_measured", lambda s: "update_ratio_total" in s.extra or "update_ratio" in s.extra),
     ("update_nonfinite", lambda s: bool(s.extra.get("update_nonfinite"))),
+    ("scaler_bypassed", lambda s: "scaler_bypassed" in s.extra),
 )
 _FACT_INDEX = {name: i for i, (name, _) in enumerate(FACTS)}
 _HOLDS = tuple(holds for _, holds in FACTS)

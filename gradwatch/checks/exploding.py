@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gradwatch.checks.scaler_step_bypassed import with_bypass_cause
 from gradwatch.core.clipping import clip_advice, clipping_in_place
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
@@ -314,7 +315,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     if reasons == ["spike"] and not _report_spike(stats, history, facts, pending):
         return []
     where, jump = _locate(stats, history, facts["layers"])
-    return [_finding(stats, dict(facts, where=where, jump=jump), reasons, config)]
+    return [with_bypass_cause(_finding(stats, dict(facts, where=where, jump=jump), reasons, config), stats)]
 
 
 def _pending_verdict(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradwatch.checks.exploding import after_explosion
+from gradwatch.checks.scaler_step_bypassed import with_bypass_cause
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.history import History
@@ -285,11 +286,12 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
         out.append(stale)
     after = after_explosion(stats, history) if stats.loss_nonfinite or stats.nonfinite else ""
     action = action_key(stats, config)
+    own: list[Finding] = []
     if stats.loss_nonfinite:
-        out.append(_loss_finding(stats, loss_facts(stats, after, action)))
+        own.append(_loss_finding(stats, loss_facts(stats, after, action)))
     if stats.nonfinite:
-        out.append(_grad_finding(stats, after, action_words(action, stats.optimizer_index)))
-    return out
+        own.append(_grad_finding(stats, after, action_words(action, stats.optimizer_index)))
+    return out + [with_bypass_cause(f, stats) for f in own]
 
 
 #: What gradwatch did about a non-finite closure re-evaluation, per policy.

@@ -25,7 +25,7 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
     params = tuple(stats.extra.get("update_nonfinite_params") or ())
     where = f" ({names_text(list(params))})" if params else ""
     eps_text = ", ".join(f"{e:g}" for e in eps) or "its eps"
-    words = _ZERO_EPS if eps and not any(eps) else _HALF  # eps=0: any precision; else float16's rounding
+    words = _words(eps)
     action = {
         "skip": "gradwatch skipped this update: parameters and optimizer state are unchanged (and will skip "
         "every such step; the run stops after max_skips of them).",
@@ -65,6 +65,15 @@ _ZERO_EPS = (
     "or dead unit) the step computes 0 / 0. ",
     "give the optimizer a positive eps (Adam's default eps=1e-8); eps exists to keep that division finite.",
 )
+
+
+def _words(eps: list[float]) -> tuple[str, str]:
+    return _ZERO_EPS if eps and not any(eps) else _HALF  # eps=0: any precision; else float16's rounding
+
+
+def update_fix(stats: StepStats) -> str:
+    """The fix of this step's non-finite update (the finding's own; ``too_many_skips`` repeats it)."""
+    return _words(list(stats.extra.get("update_nonfinite_eps") or []))[1]
 
 
 def remember(stats: StepStats, history: History) -> None:

@@ -176,13 +176,16 @@ class Engine:
         s = self.step_counts[opt_index] if step is None else step
         return not self._closed and s % self.config.every == 0
 
-    def check_step(self, opt_index: int = 0, step: int | None = None, *, due: bool | None = None) -> Decision:
+    def check_step(
+        self, opt_index: int = 0, step: int | None = None, *, due: bool | None = None, closure: bool = False
+    ) -> Decision:
         """Run the pipeline for optimizer ``opt_index`` before its update.
 
         ``step`` labels the findings (default: this optimizer's step count); ``due`` says whether the
         ``every`` cadence selects this step (default: ``step % every == 0``). Integrations whose step
         label counts several optimizers' steps (Lightning's ``global_step``) pass
-        ``due=engine.should_check(opt_index)`` so each optimizer keeps its own cadence.
+        ``due=engine.should_check(opt_index)`` so each optimizer keeps its own cadence. ``closure``: the check
+        runs inside the closure a ``step(closure)`` evaluates (LBFGS).
 
         Returns ``"skip"`` when the update must not be applied (the caller suppresses it, e.g. with
         :meth:`suppress_update`). Raises :class:`GradWatchError` under ``on_nonfinite="raise"`` or after
@@ -198,7 +201,7 @@ class Engine:
             self.drop_losses()
             return "ok"
         try:
-            stats, findings = self._observe_and_check(opt_index, s)
+            stats, findings = self._observe_and_check(opt_index, s, closure)
         except GradWatchError:
             raise
         except Exception as exc:  # noqa: BLE001 - never make training worse
@@ -209,12 +212,16 @@ class Engine:
             return "ok"
         return self._act(stats, findings)
 
-    def _observe_and_check(self, opt_index: int, step: int) -> tuple[StepStats | None, list[Finding]]:
+    def _observe_and_check(
+        self, opt_index: int, step: int, closure: bool = False
+    ) -> tuple[StepStats | None, list[Finding]]:
         """Observe (statistics queued, one read), check (pure checks, the incident path) one step."""
         changed = self.param_tracker.refresh()
         op = self.index.per_optimizer[opt_index]
         got = gather(op)
         stats = self._new_stats(op, got, opt_index, step, changed)
+        if closure:
+            stats.extra["closure_step"] = True
         ctx, norm_slots, loss_slot = self._queue(stats, op, got, opt_index)
         self.bus.call("before_sync", ctx)
         if self.config.deferred:

@@ -13,6 +13,10 @@ def default_extensions(engine: Any, *, scaler: Any = None, integration: Integrat
     from gradwatch.observe.amp import AmpMonitor
 
     exts.append(AmpMonitor(scaler, integration=integration))  # first: overflow steps are not incidents
+    if integration == "plain":  # Lightning's precision plugin drives the scaler itself
+        from gradwatch.observe.scaler_bypass import ScalerBypass
+
+        exts.append(ScalerBypass(scaler))  # after AmpMonitor: uses the scaler it found
     from gradwatch.observe.preclip import BackwardNorms
 
     # Lightning too: Trainer(gradient_clip_val=...) clips after the check, but a LightningModule's own code

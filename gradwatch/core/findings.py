@@ -25,6 +25,7 @@ MAX_ROWS_SHOWN = 10
 #: Kinds that describe one non-finite incident, in the order the console leads with them: where the NaN
 #: came from first, its consequences after.
 INCIDENT_KINDS: tuple[str, ...] = (
+    "scaler_step_bypassed",  # the gradients still carry a GradScaler's scale: the cause of what follows
     "nonfinite_input",
     "nan_origin",
     "nonfinite_on_other_rank",

@@ -70,6 +70,7 @@ KINDS: tuple[Kind, ...] = (
     # mixed precision
     Kind("amp_overflow", "info", "a GradScaler dropped updates (a warning when most updates are dropped)"),
     Kind("amp_overflow_persistent", "warning", "the GradScaler keeps overflowing after it settled"),
+    Kind("scaler_step_bypassed", "error", "optimizer.step() called directly on a GradScaler's scaled gradients"),
     Kind("clip_before_unscale", "warning", "gradients clipped while a GradScaler still scaled them: every update shrunk"),
     # many processes
     Kind("ddp_unused_parameters", "error", "DDP left a backward unreduced: parameters unused on that step"),

@@ -13,10 +13,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from gradwatch.checks.exploding import APPLIED, after_explosion
+from gradwatch.checks.nonfinite_update import update_fix
+from gradwatch.checks.scaler_step_bypassed import FIX as BYPASS_FIX
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
@@ -82,10 +85,30 @@ def decide(stats: StepStats, config: Config, consecutive_skips: int) -> Verdict:
     return Verdict("skip", "on_nonfinite='skip'", True, skips)
 
 
+#: The findings whose facts, on the step that ran out of skips, say why every step of the run is skipped, and
+#: their fix: ``(kind, holds(stats), fix(stats))``, the first that holds names the cause.
+SKIP_CAUSES: tuple[tuple[str, Callable[[StepStats], bool], Callable[[StepStats], str]], ...] = (
+    ("scaler_step_bypassed", lambda s: "scaler_bypassed" in s.extra, lambda s: BYPASS_FIX),
+    ("nonfinite_update", lambda s: bool(s.extra.get("update_nonfinite")) and not s.is_nonfinite, update_fix),
+)
+
+
+def skip_cause(stats: StepStats) -> tuple[str, str] | None:
+    """``(kind, fix)`` of the finding that explains why this step, like the skipped ones before it, is blocked."""
+    return next(((kind, fix(stats)) for kind, holds, fix in SKIP_CAUSES if holds(stats)), None)
+
+
 def too_many_skips(stats: StepStats, history: History, config: Config, skips: int) -> Finding:
     """The ``too_many_skips`` error of an ``escalate`` verdict."""
     cause = after_explosion(stats, history)  # the exploding update that threw the weights out of range, if any
-    persistent = _OVERFLOW_FIX if stats.overflow_norm and not stats.nonfinite else _PERSISTENT_FIX
+    known = skip_cause(stats)
+    if known is not None:
+        persistent = f"the cause is persistent (see the {known[0]} finding): {known[1]} "
+    else:
+        persistent = _OVERFLOW_FIX if stats.overflow_norm and not stats.nonfinite else _PERSISTENT_FIX
+    data = {"consecutive_skips": skips, "after_exploding": (history.memory.get(APPLIED) or {}).get("step")}
+    if known is not None:
+        data["cause"] = known[0]
     return Finding(
         kind="too_many_skips",
         step=stats.step,
@@ -95,8 +118,7 @@ def too_many_skips(stats: StepStats, history: History, config: Config, skips: in
             "further would only stall the run." + (f"\n{cause}" if cause else ""),
             fix=persistent + "Raise max_skips (or set it to None) to keep skipping.",
         ),
-        data={"consecutive_skips": skips,
-              "after_exploding": (history.memory.get(APPLIED) or {}).get("step")},
+        data=data,
     )
 
 

@@ -122,6 +122,7 @@ StepExtra = TypedDict(
         "stale_losses": "list[float]",  # losses of batches whose gradients no update took, read with this step
         "raised": str,  # the exception class when the incident comes from an exception, not a check
         "anomaly_nan": bool,  # anomaly mode stopped backward on a loss already NaN/Inf (replayable)
+        "closure_step": bool,  # checked inside the closure of a step(closure) (LBFGS)
         # -- observers (observe/) --
         "zero_grad": ZeroGradFacts,  # the zero-grad tracker's facts of this step
         "zero_grad_missing": bool,  # gradients accumulated across steps: zero_grad() was not called
@@ -134,6 +135,7 @@ StepExtra = TypedDict(
         "clipping": "dict[str, Any]",  # how the run clips: {"lightning", "how", "clip_val", ...}
         "clip_ratio": float,  # clipped over unclipped total norm of this step
         "params_trainable": bool,  # every parameter in "params" requires grad (read before the norms)
+        "scaler_bypassed": "dict[str, Any]",  # optimizer.step() ran directly on a GradScaler's scaled gradients
         "unscaled_by": float,  # plain loops: the GradScaler's scale its unscale_ divided this step's gradients by
         "param_norms": "dict[str, float]",  # weight norm per layer (measured on some steps)
         "update_ratio": "dict[str, float]",  # update-to-weight norm ratio per layer
@@ -143,6 +145,7 @@ StepExtra = TypedDict(
         "update_nonfinite_eps": float,  # that eps
         "update_nonfinite_params": "list[str]",  # the parameters whose update would be NaN/Inf (half_update)
         "lr_collapsed": bool,  # lr_collapsed: reported at this step
+        "scaler_step_bypassed": bool,  # scaler_step_bypassed: reported at this step
         "clip_before_unscale": bool,  # clip_before_unscale: reported at this step
         "scalars": "dict[str, float]",  # more TensorBoard scalars of this step, by tag
         "ddp": bool,  # the model is wrapped in DistributedDataParallel

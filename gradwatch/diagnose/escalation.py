@@ -307,6 +307,10 @@ class Escalation:
             # Only another rank saw it: a local replay has nothing to find here, and under sharded
             # parameters it would run collectives on this rank alone.
             return []
+        if "scaler_bypassed" in stats.extra:
+            # The gradients still carry the GradScaler's scale (the optimizer stepped around it): the op a
+            # localization would name only overflowed under that scale; scaler_step_bypassed names the cause.
+            return []
         self.replayer.collective = None
         if self._handled == (stats.step, self.capture.mark):
             return []  # a second optimizer of the same step: the first one's findings name the origin

@@ -1,4 +1,6 @@
-"""Explain autograd errors: in-place modification, backward twice, no grad_fn, non-scalar backward.
+"""Explain autograd errors: in-place modification, backward twice, no grad_fn, non-scalar backward (and two
+errors of the training loop's set-up PyTorch raises alike: DDP's unfinished reduction, a GradScaler updated with
+no inf checks recorded).
 
 :func:`explain` turns an exception raised by the training code into a :class:`~gradwatch.Finding` that
 names the op, the module and the step, says why PyTorch refused, and what to change. It only reads: the
@@ -37,6 +39,7 @@ from gradwatch.diagnose.autograd.inplace_forward import explain_inplace_forward
 from gradwatch.diagnose.autograd.no_grad_fn import explain_no_graph
 from gradwatch.diagnose.autograd.nonscalar import explain_nonscalar
 from gradwatch.observe.ddp_reduction import ERROR_TEXT, raised_facts, unused_finding
+from gradwatch.observe.scaler_bypass import NO_INF_CHECKS, explain_no_inf_checks
 from gradwatch.observe.tracing import ForwardTracer
 
 __all__ = ["ERRORS", "MAX_NODES", "explain", "node_op_name"]
@@ -71,6 +74,7 @@ ERRORS: tuple[tuple[re.Pattern[str], Callable[[Context, re.Match[str]], Finding 
     (re.compile(re.escape("grad can be implicitly created only for")), lambda ctx, m: explain_nonscalar(ctx)),
     (_ANOMALY_NAN, lambda ctx, m: explain_anomaly_nan(ctx, m.group("op"), int(m.group("index")))),
     (re.compile(re.escape(ERROR_TEXT)), lambda ctx, m: _ddp_unused(ctx)),
+    (re.compile(re.escape(NO_INF_CHECKS)), lambda ctx, m: explain_no_inf_checks(ctx.exc, ctx.engine)),
 )
 
 
@@ -98,7 +102,7 @@ def explain(exc: BaseException, *, engine: Any, step: int) -> Finding | None:
         'nonscalar_backward'
         >>> gw.close()
     """
-    if not isinstance(exc, RuntimeError):
+    if not isinstance(exc, (RuntimeError, AssertionError)):  # GradScaler.update() asserts
         return None
     tracer = engine.extension(ForwardTracer) if hasattr(engine, "extension") else None
     if tracer is not None:
