@@ -18,6 +18,9 @@ the scaler's own bookkeeping at the optimizer's step pre-hook, with no sync (:fu
 - with several watched optimizers, every one of them was seen stepping that way: one optimizer stepped
   directly on an unscaled loss beside another the scaler steps is not this.
 
+A scaler handed to ``watch`` (or found by the AmpMonitor) is asked at every check, from the step's first one; a
+scaler only the loop holds is looked for on a step whose gradients are non-finite (see :class:`ScalerBypass`).
+
 The facts go to ``stats.extra["scaler_bypassed"]`` (the scale read with the step's statistics), where
 :mod:`gradwatch.checks.scaler_step_bypassed` words them, and the non-finite findings and ``too_many_skips``
 of such a step take its fix. :func:`explain_no_inf_checks` explains the error ``scaler.update()`` raises in
@@ -33,13 +36,16 @@ import torch
 
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Finding
-from gradwatch.observe.amp import SCAN_EVERY, SCAN_FIRST, AmpMonitor, scaler_of_training_thread
+from gradwatch.observe.amp import AmpMonitor
 from gradwatch.observe.tracing import traceback_entries
 
 #: How many frames up from gradwatch's check the loop's ``scaler`` variable (or a GradScaler's ``step``) is looked for.
 STACK_DEPTH = 48
 
 NO_INF_CHECKS = "No inf checks were recorded prior to update"
+
+#: Non-finite checks on which a scaler no one handed over is looked for in the loop's variables.
+MAX_SCANS = 4
 
 
 def _is_scaler(obj: Any) -> bool:
@@ -68,6 +74,28 @@ def stepped_directly(scaler: Any, opt: Any) -> bool:
     return _scaler_step_on_stack() is None  # the stack walk last: only a loop that looks like one gets here
 
 
+def held_scaler(depth: int = STACK_DEPTH) -> Any:
+    """The one GradScaler that has scaled a loss held by the calling frames: a variable of theirs (a script's
+    module-level ``scaler`` is its frame's local) or a ``self.scaler``; None when there is none, or several.
+    A frame's ``f_locals`` is a snapshot the frame keeps (before Python 3.13): the rare path only."""
+    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if cls is None:
+        return None
+    found: list[Any] = []
+    frame: Any = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        owned = getattr(local.get("self"), "__dict__", None)
+        candidates = [*local.values(), owned.get("scaler")] if isinstance(owned, dict) else local.values()
+        for v in candidates:
+            if isinstance(v, cls) and getattr(v, "_scale", None) is not None and v not in found:
+                found.append(v)
+        frame = frame.f_back
+    return found[0] if len(found) == 1 else None
+
+
 def _scaler_step_on_stack() -> Any:
     """A GradScaler whose ``step()`` (or ``_maybe_opt_step``) is on the call stack, or None."""
     frame: Any = sys._getframe(1)
@@ -87,8 +115,10 @@ class ScalerBypass:
 
     Args:
         scaler: The ``torch.amp.GradScaler`` handed to ``watch(..., scaler=...)``, if any. Otherwise the one
-            the :class:`~gradwatch.observe.amp.AmpMonitor` found, or else the loop's own ``scaler`` variable,
-            looked for on the first checks and every ``SCAN_EVERY``-th after (as the AmpMonitor looks).
+            the :class:`~gradwatch.observe.amp.AmpMonitor` found (a ``scaler.step`` calling the optimizer), or
+            else the loop's own ``scaler`` variable, looked for only on the first :data:`MAX_SCANS` checks whose
+            gradients are non-finite: reading a running loop's variables keeps its tensors (the batch, the
+            output) alive until they are read again, a cost a healthy step must not pay.
     """
 
     def __init__(self, scaler: Any = None) -> None:
@@ -101,54 +131,62 @@ class ScalerBypass:
     def attach(self, engine: Any) -> None:
         self._engine = engine
 
-    def _scaler(self) -> Any:
+    def _known_scaler(self) -> Any:
         if self.scaler is not None:
             return self.scaler
         amp = self._engine.extension(AmpMonitor)
-        if amp is not None and amp.scaler is not None:
-            return amp.scaler
-        self._scans += 1
-        if self._scans <= SCAN_FIRST or self._scans % SCAN_EVERY == 0:
-            self.scaler = scaler_of_training_thread(STACK_DEPTH)
-        return self.scaler
+        return amp.scaler if amp is not None else None
 
     def before_sync(self, ctx: Any) -> None:
         try:
-            self._look(ctx)
+            scaler = self._known_scaler()
+            if scaler is not None and self._bypassed(ctx.stats, scaler):
+                ctx.slots["scaler_bypass_scale"] = ctx.batch.add(scaler._scale)
         except Exception as exc:  # noqa: BLE001 - never break the user's step
             internal_warning("ScalerBypass", exc, owner=self._engine)
 
-    def _look(self, ctx: Any) -> None:
+    def after_sync(self, ctx: Any) -> None:
         stats = ctx.stats
+        facts = stats.extra.get("scaler_bypassed")
+        slot = ctx.slots.get("scaler_bypass_scale", -1)
+        if slot >= 0 and isinstance(facts, dict):
+            facts["scale"] = ctx.batch.resolve()[slot][0]
+            return
+        if not (stats.nonfinite or stats.overflow_norm) or self._known_scaler() is not None or self._scans >= MAX_SCANS:
+            return
+        try:  # a non-finite step, and no scaler known: the loop's own, if it scaled this backward
+            self._scans += 1
+            self.scaler = held_scaler()
+            if self.scaler is not None and self._bypassed(stats, self.scaler):
+                stats.extra["scaler_bypassed"]["scale"] = float(self.scaler._scale.float().item())  # rare path
+        except Exception as exc:  # noqa: BLE001
+            internal_warning("ScalerBypass", exc, owner=self._engine)
+
+    def _bypassed(self, stats: Any, scaler: Any) -> bool:
+        """Whether this step's optimizer steps around ``scaler`` (and every watched one was seen doing so); the
+        facts go to ``stats.extra["scaler_bypassed"]``."""
         opts = self._engine.optimizers
         index = stats.optimizer_index
         if stats.extra.get("closure_step") or index >= len(opts):
-            return
-        scaler = self._scaler()
-        if scaler is None or not stepped_directly(scaler, opts[index]):
+            return False
+        if not stepped_directly(scaler, opts[index]):
             self._direct.discard(index)
-            return
+            return False
         self._direct.add(index)
         if len(self._direct) < len(opts):
-            return  # another watched optimizer may be the one the scaler steps
-        ctx.slots["scaler_bypass_scale"] = ctx.batch.add(scaler._scale)
+            return False  # another watched optimizer may be the one the scaler steps
         self.last_step = stats.step
         stats.extra["scaler_bypassed"] = {
             "optimizer": index,
             "optimizer_class": type(opts[index]).__name__,
             "optimizers": len(opts),
         }
+        return True
 
     @property
     def seen(self) -> bool:
         """Every watched optimizer was last seen stepping directly while the scaler only scaled."""
         return bool(self._direct) and len(self._direct) == len(self._engine.optimizers if self._engine else ())
-
-    def after_sync(self, ctx: Any) -> None:
-        slot = ctx.slots.get("scaler_bypass_scale", -1)
-        facts = ctx.stats.extra.get("scaler_bypassed")
-        if slot >= 0 and isinstance(facts, dict):
-            facts["scale"] = ctx.batch.resolve()[slot][0]
 
     def close(self) -> None:
         self._engine = None
@@ -157,8 +195,9 @@ class ScalerBypass:
 def explain_no_inf_checks(exc: BaseException, engine: Any) -> Finding | None:
     """``scaler.update()`` raised "No inf checks were recorded prior to update.": no optimizer went through
     ``scaler.step()`` (nor ``scaler.unscale_()``) since the last update. Explained when :class:`ScalerBypass`
-    saw the loop step its optimizer directly on scaled gradients (not an update without any step, such as one
-    every micro-batch of an accumulation). Exception path only."""
+    saw the loop step its optimizer directly on scaled gradients, or the watched optimizer stepped before this
+    scaler ever updated (not an update without any step, such as one every micro-batch of an accumulation).
+    Exception path only."""
     from gradwatch.checks.scaler_step_bypassed import no_inf_checks_finding
 
     scaler = next(
@@ -169,11 +208,16 @@ def explain_no_inf_checks(exc: BaseException, engine: Any) -> Finding | None:
     if scaler is None or getattr(scaler, "_scale", None) is None:
         return None
     bypass = engine.extension(ScalerBypass) if hasattr(engine, "extension") else None
-    if bypass is None or not bypass.seen or bypass.last_step is None:
-        return None
+    stepped = list(getattr(engine, "step_counts", []) or [])
+    if bypass is not None and bypass.seen and bypass.last_step is not None:
+        step = bypass.last_step  # the step that went around the scaler (its update() raises after it)
+    elif scaler._scale._version == 0 and len(stepped) == 1 and stepped[0] > 0:
+        step = stepped[0] - 1  # the optimizer stepped before the scaler ever stepped or updated: around it
+    else:
+        return None  # (an update with no step since the last one: not this)
     opts = list(getattr(engine, "optimizers", []) or [])
     return no_inf_checks_finding(
-        step=bypass.last_step,  # the step that went around the scaler (its update() raises after it)
+        step=step,
         scale=float(scaler._scale.float().item()),
         optimizer_class=type(opts[0]).__name__ if len(opts) == 1 else "",
     )
