@@ -6,7 +6,7 @@ overflowed), and only ``scaler.update()`` moves the scale. A plain loop that sca
 ``optimizer.step()`` itself applies the scaled gradients as they are.
 
 :class:`ScalerBypass` (plain loops only: Lightning's precision plugin drives the scaler itself) tells it from
-the scaler's own bookkeeping at the optimizer's step pre-hook, with no sync (:func:`bypass_facts`):
+the scaler's own bookkeeping at the optimizer's step pre-hook, with no sync (:func:`stepped_directly`):
 
 - the scaler is enabled and has scaled a loss (its ``_scale`` is set: ``scale()`` makes it on first use, so a
   scaler created and never used, or disabled, has none);
