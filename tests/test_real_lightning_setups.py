@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import plain_console
+from helpers import plain_console, tiny_trainer
 from torch import nn
 
 pytest.importorskip("lightning.pytorch")
@@ -40,18 +40,8 @@ def problems(findings: list[Finding]) -> list[Finding]:
 
 
 def trainer(ns: Any, callbacks: list[Any], **kwargs: Any) -> Any:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 8,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
-        "enable_progress_bar": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return ns.Trainer(callbacks=callbacks, **options)
+    """``tiny_trainer`` for 8 steps unless told otherwise."""
+    return tiny_trainer(ns, callbacks, **{"max_steps": 8, **kwargs})
 
 
 def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> torch.utils.data.DataLoader:
