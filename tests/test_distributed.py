@@ -26,13 +26,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
 TIMEOUT = 120
 
 
-def launch(tmp: str, *args: str, timeout: float = TIMEOUT) -> tuple[list[int | None], list[str]]:
-    """Start both ranks; kill both if either is still running after ``timeout`` seconds."""
+def launch(tmp: str, *args: str, timeout: float = TIMEOUT, worker: str = WORKER) -> tuple[list[int | None], list[str]]:
+    """Start both ranks of ``worker``; kill both if either is still running after ``timeout`` seconds."""
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(rank), "2", port, tmp, *args],
+            [sys.executable, worker, str(rank), "2", port, tmp, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -6,7 +6,6 @@ run through its timeout instead of blocking the suite.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -27,18 +26,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     import test_distributed
 
     tmp = str(tmp_path_factory.mktemp("real_dist"))
-    saved = test_distributed.WORKER
-    test_distributed.WORKER = WORKER
-    try:
-        codes, logs = launch(tmp, timeout=120)
-    finally:
-        test_distributed.WORKER = saved
+    codes, logs = launch(tmp, timeout=120, worker=WORKER)
     assert codes == [0, 0], f"a rank failed or hung (None = killed): {codes}\n" + "\n".join(logs)
-    out = []
-    for rank in (0, 1):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return test_distributed.read_runs(tmp)
 
 
 def scenario(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -117,13 +117,10 @@ REAL_DIST_WORKER = os.path.join(os.path.dirname(__file__), "_real_dist_worker.py
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="torch.distributed with gloo is needed",
 )
-def test_none_grad_under_ddp_with_find_unused_parameters_does_not_ask_for_it(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_none_grad_under_ddp_with_find_unused_parameters_does_not_ask_for_it(tmp_path: Any) -> None:
     import test_distributed
 
-    monkeypatch.setattr(test_distributed, "WORKER", REAL_DIST_WORKER)
-    codes, logs = test_distributed.launch(str(tmp_path), "unused_dynamic", timeout=60)
+    codes, logs = test_distributed.launch(str(tmp_path), "unused_dynamic", timeout=60, worker=REAL_DIST_WORKER)
     assert codes == [0, 0], f"a rank failed or hung: {codes}\n" + "\n".join(logs)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())["unused_dynamic"]
