@@ -48,6 +48,8 @@ from gradwatch.core.stats import StepStats, ZeroGradFacts, layer_norms
 from gradwatch.core.trend import (
     EARLY_NORM,
     converged,
+    jump_start,
+    matching_steps,
     median,
     once_per_check,
     param_norms_of,
@@ -107,6 +109,12 @@ HUGE_ADAPTIVE_LR = 0.05
 FIRST_STEPS = 20
 _ADAPTIVE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 _WANT = "exploding/want_param_norms"
+#: Per optimizer, ``(step, total norm)`` of the checked steps before the first judged one (since the last
+#: restart of the comparison): a spike found at the first judged step names the step its jump started when
+#: that lies inside them (see :func:`_started`).
+_STEPS = "exploding/steps"
+#: A note for remember: where the jump of a spike waiting to fall back started.
+_STARTED = "exploding/started"
 #: ``v > 0`` as a C call (``0.0 < v``).
 _POSITIVE = functools.partial(operator.lt, 0.0)
 
@@ -312,10 +320,38 @@ def check(stats: StepStats, history: History, config: Config) -> list[Finding]:
             return [settled]
     if not reasons or _same_episode(stats, history, reasons, config):
         return []
-    if reasons == ["spike"] and not _report_spike(stats, history, facts, pending):
+    started = _started(stats, history, facts, config) if "spike" in reasons else None
+    if reasons == ["spike"] and not _report_spike(stats, history, facts, pending, started):
         return []
     where, jump = _locate(stats, history, facts["layers"])
-    return [with_bypass_cause(_finding(stats, dict(facts, where=where, jump=jump), reasons, config), stats)]
+    facts = dict(facts, where=where, jump=jump)
+    if started is not None:
+        facts.update(since=started, started_now=True)
+    return [with_bypass_cause(_finding(stats, facts, reasons, config), stats)]
+
+
+def _started(stats: StepStats, history: History, facts: dict[str, Any], config: Config) -> dict[str, Any] | None:
+    """At the first judged step: where the jump started when it lies inside the norms judged against (the
+    unbroken run of norms above the spike threshold of the norms before it that reaches this step), as the
+    facts of a spike that has not fallen back since; None when the jump is this step's norm alone."""
+    n = facts["n"]
+    if n != MIN_HISTORY:
+        return None
+    recent = list(history.total_norms.get(stats.optimizer_index, ()))[-n:]
+    pairs = matching_steps(history.memory.get(_STEPS, _NOTHING).get(stats.optimizer_index), recent)
+    if pairs is None:
+        return None
+    floor = math.log(config.spike_factor)
+
+    def threshold(values: list[float]) -> float:
+        m, spread = robust_spread([math.log(v) for v in values if v > 0])
+        return math.exp(m + max(floor, SPREADS * spread)) if math.isfinite(m) else math.inf
+
+    found = jump_start(pairs, facts["total"], threshold)
+    if found is None:
+        return None
+    step, before = found
+    return {"step": step, "total": pairs[len(before)][1], "median": median(before), "n": len(before)}
 
 
 def _pending_verdict(
@@ -336,7 +372,8 @@ def _pending_verdict(
     stats.extra[_PENDING] = "reported"
     where, jump = _locate(stats, history, facts["layers"])
     also = [r for r in reasons if r != "spike"]
-    return _finding(stats, dict(facts, where=where, jump=jump, since=pending), [*also, "spike"], config)
+    since = pending.get("started") or pending
+    return _finding(stats, dict(facts, where=where, jump=jump, since=since), [*also, "spike"], config)
 
 
 def _same_episode(stats: StepStats, history: History, reasons: list[str], config: Config) -> bool:
@@ -349,7 +386,9 @@ def _same_episode(stats: StepStats, history: History, reasons: list[str], config
     return any(_reasons(f, config) for f in recent)
 
 
-def _report_spike(stats: StepStats, history: History, facts: dict[str, Any], pending: Any) -> bool:
+def _report_spike(
+    stats: StepStats, history: History, facts: dict[str, Any], pending: Any, started: dict[str, Any] | None
+) -> bool:
     """Spikes of the same size recurring (a DQN's target-network sync, each curriculum stage) are reported
     once; a later one only when it is RECORD_FACTOR x larger than every spike reported before. One within
     the run's range waits to see whether it falls back. Leaves notes for remember."""
@@ -358,6 +397,7 @@ def _report_spike(stats: StepStats, history: History, facts: dict[str, Any], pen
         return False
     if pending is None and _within_range(facts, history):
         stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+        stats.extra[_STARTED] = started
         return False
     stats.extra[_RECORD] = facts["excess"]  # a note for remember: this spike was reported
     return True
@@ -421,11 +461,13 @@ def remember(stats: StepStats, history: History) -> None:
         return
     note = extra.get(_PENDING)
     if note is not None or facts["pending"] is not None:  # (the same check as i in memory[_PENDING])
-        _remember_pending(history, i, facts, note, stats.step)
+        _remember_pending(history, i, facts, note, stats.step, extra.get(_STARTED))
     try:
         memory[_KEY][i].append(facts)
     except KeyError:
         memory.setdefault(_KEY, {}).setdefault(i, deque(maxlen=REARM)).append(facts)
+    if facts["n"] < MIN_HISTORY:
+        _remember_steps(memory, i, facts, stats.step)
     counts = memory.get(_COUNT)
     if counts is None:
         counts = memory[_COUNT] = {}
@@ -441,7 +483,18 @@ def remember(stats: StepStats, history: History) -> None:
         peaks[i] = max(max(facts["logs"]), peaks.get(i, -math.inf))
 
 
-def _remember_pending(history: History, i: int, facts: dict[str, Any], note: str | None, step: int) -> None:
+def _remember_steps(memory: dict[str, Any], i: int, facts: dict[str, Any], step: int) -> None:
+    """The step of each norm before the first judged step (started again with the comparison)."""
+    steps = memory.setdefault(_STEPS, {}).setdefault(i, [])
+    if facts["n"] == 0:
+        steps.clear()
+    if math.isfinite(facts["total"]):
+        steps.append((step, facts["total"]))
+
+
+def _remember_pending(
+    history: History, i: int, facts: dict[str, Any], note: str | None, step: int, started: dict[str, Any] | None
+) -> None:
     """A spike within the run's range starts waiting to fall back (``note == "new"``), was reported, fell
     back (its size joins the run's range), or waits one more checked step."""
     pending = history.memory.setdefault(_PENDING, {})
@@ -453,6 +506,7 @@ def _remember_pending(history: History, i: int, facts: dict[str, Any], note: str
             "n": facts["n"],
             "excess": facts["excess"],
             "left": SETTLE,
+            "started": started,
         }
     elif i in pending:
         if note == "reported":
@@ -503,7 +557,7 @@ def explosion_facts(stats: StepStats, facts: dict[str, Any], reasons: list[str],
     since = facts.get("since")
     overflow = "overflow" in reasons
     # Lightning clips after gradwatch's check: a user who clips already is told so, not to add clipping.
-    clipped = None if overflow else clipping_in_place(stats, this_step=since is None)
+    clipped = None if overflow else clipping_in_place(stats, this_step=since is None or facts.get("started_now", False))
     return Explosion(
         step=stats.step,
         reasons=tuple(reasons),

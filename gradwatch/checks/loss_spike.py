@@ -30,7 +30,7 @@ from gradwatch.core.clipping import clip_advice, clipping_in_place
 from gradwatch.core.config import Config
 from gradwatch.core.findings import Explanation, Finding
 from gradwatch.core.history import History
-from gradwatch.core.trend import EARLY_LOSS, once_per_check, quantile, robust_spread
+from gradwatch.core.trend import EARLY_LOSS, jump_start, matching_steps, once_per_check, quantile, robust_spread
 
 #: Runs only on steps where one of these facts holds (see :data:`gradwatch.checks.FACTS`).
 WHEN = ('loss',)
@@ -64,6 +64,11 @@ SETTLE = 3
 FALL = 2.0
 #: The spike within the run's range that is waiting to fall back.
 _PENDING = "loss_spike/pending"
+#: ``(step, loss)`` of the first ``MIN_HISTORY`` checked losses: a spike found at the first judged step
+#: names the step its jump started when that lies inside them (see :func:`_started`).
+_STEPS = "loss_spike/steps"
+#: A note for remember: where the jump of a spike waiting to fall back started.
+_STARTED = "loss_spike/started"
 
 
 @once_per_check
@@ -76,17 +81,45 @@ def _facts(stats: Any, history: History) -> tuple[float, float, float, int] | No
         # zero_grad() between this step's backward passes (per-sample gradients, DP-SGD by hand): the loss
         # left for the step is the last pass's only, one sample's, not the step's.
         return None
-    m, spread = robust_spread(history.losses)
-    if not math.isfinite(m):
-        return None
-    # Losses near their floor are heavy-tailed (most batches ~0, a few 10x that): the upper tail of the
-    # recent losses is part of their normal range, so the spread is at least 90th percentile - median.
-    tail = quantile(history.losses, 0.9) - m
     # A run that converged by orders of magnitude: wiggles far below its early losses are not spikes.
     start = history.memory.get(_START)
-    floor = START_FRACTION * abs(start) if isinstance(start, float) else 0.0
-    spread = max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), floor, 1e-12)
+    m, spread = _range(history.losses, START_FRACTION * abs(start) if isinstance(start, float) else 0.0)
+    if not math.isfinite(m):
+        return None
     return loss, m, spread, len(history.losses)
+
+
+def _range(losses: Any, floor: float) -> tuple[float, float]:
+    """``(median, spread)`` of these losses, the spread at least ``floor``."""
+    m, spread = robust_spread(losses)
+    # Losses near their floor are heavy-tailed (most batches ~0, a few 10x that): the upper tail of the
+    # recent losses is part of their normal range, so the spread is at least 90th percentile - median.
+    tail = quantile(losses, 0.9) - m
+    return m, max(spread, tail, MIN_RELATIVE_SPREAD * abs(m), floor, 1e-12)
+
+
+def _started(history: History, facts: tuple[float, float, float, int], config: Config) -> dict[str, Any] | None:
+    """At the first judged step: where the jump started when it lies inside the losses judged against (the
+    unbroken run of losses above the spike threshold of the losses before it that reaches this step), as
+    the words of a spike that has not fallen back since; None when the jump is this step's loss alone."""
+    loss, _, _, n = facts
+    if n != MIN_HISTORY:
+        return None
+    pairs = matching_steps(history.memory.get(_STEPS), list(history.losses))
+    if pairs is None:
+        return None
+
+    def threshold(values: list[float]) -> float:
+        m, spread = _range(values, 0.0)
+        return m + config.spike_factor * spread
+
+    found = jump_start(pairs, loss, threshold)
+    if found is None:
+        return None
+    step, before = found
+    m, spread = _range(before, 0.0)
+    first = pairs[len(before)][1]
+    return {"step": step, "loss": first, "median": m, "spread": spread, "n": len(before), "height": first - m}
 
 
 def _spiking(facts: tuple[float, float, float, int], config: Config) -> bool:
@@ -106,7 +139,7 @@ def check(stats: Any, history: History, config: Config) -> list[Finding]:
         if height > pending["height"] / FALL and (pending["left"] <= 1 or height > RANGE_FACTOR * pending["height"]):
             stats.extra[_RECORD] = pending["height"]
             stats.extra[_PENDING] = "reported"
-            return [_finding(stats, facts, pending)]
+            return [_finding(stats, facts, pending.get("started") or pending, this_step=False)]
     if not _spiking(facts, config):
         return []
     if any(_spiking(f, config) for f in history.memory.get(_KEY, ())):
@@ -118,11 +151,13 @@ def check(stats: Any, history: History, config: Config) -> list[Finding]:
     record = history.memory.get(_RECORD)
     if isinstance(record, float) and size <= RECORD_FACTOR * record:
         return []
+    started = _started(history, facts, config)
     if pending is None and _within_range(facts, history):
         stats.extra[_PENDING] = "new"  # a note for remember: wait for it to fall back
+        stats.extra[_STARTED] = started
         return []
     stats.extra[_RECORD] = size
-    return [_finding(stats, facts, None)]
+    return [_finding(stats, facts, started, this_step=True)]
 
 
 def _within_range(facts: tuple[float, float, float, int], history: History) -> bool:
@@ -136,7 +171,9 @@ def _within_range(facts: tuple[float, float, float, int], history: History) -> b
     return loss - m <= RANGE_FACTOR * (top - m)
 
 
-def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str, Any] | None) -> Finding:
+def _finding(
+    stats: Any, facts: tuple[float, float, float, int], since: dict[str, Any] | None, *, this_step: bool
+) -> Finding:
     loss, m, spread, n = facts
     if since is None:
         what = (
@@ -155,7 +192,7 @@ def _finding(stats: Any, facts: tuple[float, float, float, int], since: dict[str
         kind="loss_spike",
         step=stats.step,
         severity="warning",
-        explanation=_explain(what, stats, since is None),
+        explanation=_explain(what, stats, this_step),
         data={
             "loss": loss,
             "median": m,
@@ -212,7 +249,9 @@ def _clipped_after_check(f: Finding, stats: Any, history: History) -> Finding:
     (Lightning: the module's own on_before_optimizer_step; see gradwatch.core.held)."""
     if f.explanation is None:
         return f
-    return replace(f, explanation=_explain(f.explanation.what, stats, "since" not in f.data))
+    # A spike that waited to fall back is worded as of its own step; one found now, as of this step.
+    this_step = stats.extra.get(_PENDING) != "reported"
+    return replace(f, explanation=_explain(f.explanation.what, stats, this_step))
 
 
 #: Kinds whose words depend on clipping measured after the check (see gradwatch.core.held).
@@ -227,6 +266,8 @@ def remember(stats: Any, history: History) -> None:
     facts = _facts(stats, history)
     if stats.loss is None:
         return
+    if facts is None and len(history.losses) < MIN_HISTORY and not stats.loss_nonfinite and math.isfinite(stats.loss):
+        history.memory.setdefault(_STEPS, []).append((stats.step, float(stats.loss)))
     recent = history.memory.setdefault(_KEY, deque(maxlen=REARM))
     if facts is not None:
         recent.append(facts)
@@ -247,6 +288,7 @@ def remember(stats: Any, history: History) -> None:
                 "n": n,
                 "height": loss - m,
                 "left": SETTLE,
+                "started": stats.extra.get(_STARTED),
             }
         elif isinstance(pending, dict):
             if note == "reported" or facts[0] - pending["median"] <= pending["height"] / FALL:

@@ -166,10 +166,12 @@ StepExtra = TypedDict(
         "weight_decay_too_large/settings": "list[tuple[object, object]]",  # weight_decay: each group's (lr, wd)
         "loss_spike/record": float,  # loss_spike: the size of the spike reported
         "loss_spike/pending": str,  # loss_spike: "new" or "reported"
+        "loss_spike/started": Any,  # loss_spike: where the jump of a spike waiting to fall back started
         "exploding/applied": "dict[str, Any]",  # exploding: the exploding update applied (step, factor, lr)
         "exploding/param_norms": Any,  # exploding: the latest weight-norm measurement
         "exploding/want_param_norms": bool,  # exploding: measure the weights at the next step
         "exploding/pending": str,  # exploding: "new" or "reported"
+        "exploding/started": Any,  # exploding: where the jump of a spike waiting to fall back started
         "exploding_grad/record": float,  # exploding: the excess reported
         "exploding/explosion": Any,  # exploding: the facts of the finding made at this step (worded again, held)
     },

@@ -150,3 +150,35 @@ def newly_sustained(previous: Any, current: bool, held: Any, n: int) -> bool:
     if len(prev) < k or not all(held(v) for v in (prev[len(prev) - k :] if k > 0 else [])):
         return False
     return not (len(prev) >= n and all(held(v) for v in prev[len(prev) - n :]))
+
+
+#: A jump's start is named only with at least this many values before it to judge it against.
+JUMP_BASE = 5
+
+
+def jump_start(
+    pairs: list[tuple[int, float]], current: float, threshold: Callable[[list[float]], float]
+) -> tuple[int, list[float]] | None:
+    """Where a jump found at the first judged step started, inside the history it was judged against.
+
+    ``pairs`` are the ``(step, value)`` of that history, oldest first; ``threshold(values)`` is the check's
+    spike threshold over ``values``. Returns ``(step, values before it)`` for the earliest start of an
+    unbroken run of values, reaching ``current``, that are all above the threshold of the values before
+    the run (at least ``JUMP_BASE`` of them), or None when the jump is ``current`` alone. Only called for
+    a finding: a few sorts of at most ``MIN_HISTORY`` values per start.
+    """
+    values = [v for _, v in pairs]
+    for s in range(JUMP_BASE, len(values)):
+        t = threshold(values[:s])
+        if current > t and all(v > t for v in values[s:]):
+            return pairs[s][0], values[:s]
+    return None
+
+
+def matching_steps(pairs: Any, values: list[float]) -> list[tuple[int, float]] | None:
+    """The ``(step, value)`` pairs kept for the last ``len(values)`` values of a rolling window, or None
+    when they do not hold exactly those values (a skipped step, a resumed run): no step is named then."""
+    if not isinstance(pairs, list) or len(pairs) < len(values):
+        return None
+    tail = pairs[len(pairs) - len(values) :]
+    return tail if [v for _, v in tail] == values else None
