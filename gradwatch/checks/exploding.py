@@ -24,7 +24,8 @@ Four tests, any of which fires (thresholds and why in :class:`gradwatch.Config`)
 
 A persisting explosion is reported once; it is reported again only after 10 checked steps without one.
 An overflowing norm (the update is skipped) is reported even when the episode's growth was reported
-before it overflowed.
+before it overflowed. A spike found at the first judged step whose jump started earlier inside the norms it
+is judged against is reported at the same step, in words naming the step it started (``data["since"]``).
 """
 
 from __future__ import annotations

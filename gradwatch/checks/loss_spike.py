@@ -17,6 +17,10 @@ has not fallen back to half its height within ``SETTLE`` checked losses: a DQN's
 started, a sparse reward or a rare violated margin lifts a loss that is mostly exactly 0, a task sampled
 now and then has a larger loss scale; each falls back at the next step. A spike beyond that range (a
 corrupted batch, a divergence) is reported at its step.
+
+A jump found at the first judged step that started earlier inside the 20 losses it is judged against (a
+loss weighted 1000x from step 15) is reported at the same step, in words naming the step it started
+(``data["since"]``) and the median of the losses before it.
 """
 
 from __future__ import annotations
