@@ -55,6 +55,7 @@ from torch.nn.parameter import is_lazy
 from gradwatch.core.failures import internal_warning
 from gradwatch.core.findings import Explanation, Finding, names_text
 from gradwatch.core.stats import StepStats, layer_norms, total_norm
+from gradwatch.observe.amp_origin import OverflowOrigin
 from gradwatch.observe.tracing import library_frame, traceback_entries
 
 #: After the scale has settled, this many overflow steps in a row is a persistent overflow.
@@ -94,6 +95,7 @@ class AmpMonitor:
         self._floor_reported = False
         self._streak: dict[str, Any] | None = None
         self._hook: Any = None
+        self._origin = OverflowOrigin()  # where a persistent overflow no check localizes is born
         self._scans = 0
         self._grad_ref: Any = None
         self._steps_at_last_cycle = -1
@@ -212,6 +214,8 @@ class AmpMonitor:
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
             engine.add_finding(f)
+            if f.kind == "amp_overflow_persistent":
+                self._origin.schedule(engine, f)
 
     # -- before the sync ---------------------------------------------------------------------------
     def before_sync(self, ctx: Any) -> None:
@@ -529,10 +533,17 @@ class AmpMonitor:
             factors = [growth, 1.0] if grew else [1.0, growth]
         return _steps_between(self._last_scale, scale, backoff, factors)
 
+    def before_close(self) -> None:
+        """The run ended before another forward: the persistent overflow is localized now, while the dropped
+        steps' calls are still held."""
+        if self._engine is not None:
+            self._origin.localize(self._engine)
+
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._origin.remove()
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -591,6 +602,9 @@ class AmpMonitor:
 
         for f in amp_overflow.check(stats, engine.history, engine.config):
             engine.add_finding(f)
+            if f.kind == "amp_overflow_persistent":
+                self._origin.schedule(engine, f, hook=False)
+        self._origin.localize(engine)  # found persistent only now, at the end of the run
 
 
 def _same_persistent_overflow(done: dict[str, Any], floor_reported: bool) -> bool:
