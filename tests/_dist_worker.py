@@ -729,9 +729,11 @@ UNEVEN: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 
 
-def main() -> None:
+def run_scenarios(scenarios: dict[str, Any], default: list[str]) -> None:
+    """Run the scenarios named on the command line (default: ``default``), each called as ``fn(rank, out_dir)``,
+    and write this rank's results to ``out_dir/rank<N>.json``. Arguments: rank, world size, port, out_dir[, names]."""
     rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    names = sys.argv[5].split(",") if len(sys.argv) > 5 else list(SCENARIOS)
+    names = sys.argv[5].split(",") if len(sys.argv) > 5 else default
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     torch.set_num_threads(1)
@@ -740,7 +742,7 @@ def main() -> None:
     try:
         for name in names:
             try:
-                results[name] = {**SCENARIOS, **UNEVEN}[name](rank)
+                results[name] = scenarios[name](rank, out_dir)
             except Exception:  # noqa: BLE001 - reported to the test, which fails on it
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()
@@ -748,6 +750,11 @@ def main() -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
+
+
+def main() -> None:
+    every = {**SCENARIOS, **UNEVEN}
+    run_scenarios({name: (lambda rank, _out, fn=fn: fn(rank)) for name, fn in every.items()}, list(SCENARIOS))
 
 
 if __name__ == "__main__":

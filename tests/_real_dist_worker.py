@@ -8,10 +8,8 @@ group and writes ``OUT_DIR/rank{RANK}.json``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +20,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch
 import torch.distributed as dist
-from _dist_worker import AltNet, Net, batch, flat_params
+from _dist_worker import AltNet, Net, batch, flat_params, run_scenarios
 from helpers import plain_console
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -241,24 +239,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
 
 
 def main() -> None:
-    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    names = sys.argv[5].split(",") if len(sys.argv) > 5 else list(SCENARIOS)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    try:
-        for name in names:
-            try:
-                results[name] = SCENARIOS[name](rank, out_dir)
-            except Exception:  # noqa: BLE001 - reported to the test, which fails on it
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_scenarios(SCENARIOS, list(SCENARIOS))
 
 
 if __name__ == "__main__":
